@@ -201,7 +201,8 @@ class TrainConfig:
     max_steps_per_epoch: Optional[int] = None
     storage_path: str = "artifacts/runs"
     run_name: str = "puma"
-    eval_every: int = 1
+    eval_every: int = 1  # epochs between evaluations (0: never)
+    eval_split: str = "test"  # split evaluated during training: test | val (sweeps use val)
     best_metric: str = "harmonic/r@1"
     max_failures: int = 2
     checkpoints_to_keep: int = 2
@@ -211,6 +212,7 @@ class TrainConfig:
         _check(self.batch_size >= 2, "train.batch_size must be >= 2 (metric learning needs pairs)")
         _check(self.num_workers >= 1, "train.num_workers must be >= 1")
         _check_choice("train.precision", self.precision, ("bf16", "fp16", "fp32"))
+        _check_choice("train.eval_split", self.eval_split, ("test", "val"))
         _check(self.cpus_per_worker > 0, "train.cpus_per_worker must be > 0")
 
 
@@ -224,6 +226,42 @@ class EvalConfig:
         _check(len(self.ks) > 0 and all(k >= 1 for k in self.ks), "eval.ks must be positive ints")
 
 
+# ----------------------------------------------------------------------------- index
+
+INDEX_TYPES = ("auto", "flat", "ivf_flat", "ivf_pq")
+
+
+@dataclass
+class IndexConfig:
+    """Sharded FAISS index (puma/index): type from size and memory budget, trained once, shared."""
+
+    uri: str = "artifacts/index/demo"  # index folder (local path or s3://)
+    index_type: str = "auto"  # auto | flat (exact) | ivf_flat | ivf_pq
+    metric: str = "ip"  # ip (cosine on L2-normalised embeddings) | l2
+    nlist: int = 0  # IVF lists; 0: auto, 4*sqrt(N) rounded to a power of 2, <= N/39
+    pq_m: int = 0  # IVF-PQ bytes per code (sub-quantizers, divides E); 0: auto from the budget
+    nprobe: int = 16  # IVF lists visited per query
+    shard_size: int = 250_000  # items per shard
+    memory_budget_gb: float = 8.0  # the whole index in memory at search time
+    flat_max_items: int = 200_000  # auto: exact search up to this many items
+    train_sample: int = 0  # vectors used to train IVF; 0: auto, min(N, 64*nlist) and >= 39*nlist
+    seed: int = 0
+    use_gpu: bool = True  # FAISS GPUs for training and search when faiss.get_num_gpus() > 0
+    query_chunk: int = 65536  # queries searched at once (bounds merge memory)
+
+    def __post_init__(self) -> None:
+        _check_choice("index.index_type", self.index_type, INDEX_TYPES)
+        _check_choice("index.metric", self.metric, ("ip", "l2"))
+        _check(self.nlist >= 0, f"index.nlist={self.nlist!r} must be >= 0 (0: auto)")
+        _check(self.pq_m >= 0, f"index.pq_m={self.pq_m!r} must be >= 0 (0: auto)")
+        _check(self.nprobe >= 1, f"index.nprobe={self.nprobe!r} must be >= 1")
+        _check(self.shard_size >= 1, f"index.shard_size={self.shard_size!r} must be >= 1")
+        _check(self.memory_budget_gb > 0, f"index.memory_budget_gb={self.memory_budget_gb!r} must be > 0")
+        _check(self.flat_max_items >= 0, "index.flat_max_items must be >= 0")
+        _check(self.train_sample >= 0, f"index.train_sample={self.train_sample!r} must be >= 0 (0: auto)")
+        _check(self.query_chunk >= 1, "index.query_chunk must be >= 1")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -233,6 +271,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
 
 
 # ----------------------------------------------------------------------------- machinery

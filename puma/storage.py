@@ -11,9 +11,10 @@ import hashlib
 import os
 import posixpath
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import pyarrow.fs as pafs
 

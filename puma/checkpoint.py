@@ -1,0 +1,149 @@
+"""Checkpoints: a directory (local or s3://) that describes itself and never needs unpickling.
+
+Layout::
+
+    model.safetensors      trainable weights only (keys as in model.state_dict())
+    loss.safetensors       loss parameters and buffers (proxies, CurricularFace t)
+    optimizer.safetensors  optimiser tensors (resume only; optional)
+    config.yaml            the resolved Config
+    meta.json              epoch, metrics, label map, library versions, optimiser layout
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from puma import storage
+from puma.config import Config, dump_yaml, from_dict
+
+MODEL_FILE = "model.safetensors"
+LOSS_FILE = "loss.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+CONFIG_FILE = "config.yaml"
+META_FILE = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not match the model built from its config."""
+
+
+@dataclass
+class CheckpointState:
+    """What a checkpoint holds, in memory."""
+
+    config: Config
+    model: dict[str, torch.Tensor]
+    loss: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that shape a checkpoint's meaning."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+
+
+def save_checkpoint(uri: str, state: CheckpointState) -> str:
+    """Write ``state`` under ``uri``; meta.json is written last, so its presence marks completeness."""
+    storage.makedirs(uri)
+    storage.write_bytes(storage.join(uri, MODEL_FILE), st_save(_cpu(state.model)))
+    storage.write_bytes(storage.join(uri, LOSS_FILE), st_save(_cpu(state.loss)))
+    meta = dict(state.meta, versions=library_versions())
+    if state.optimizer is not None:
+        tensors, layout = flatten_optimizer_state(state.optimizer)
+        storage.write_bytes(storage.join(uri, OPTIM_FILE), st_save(tensors))
+        meta["optimizer_layout"] = layout
+    storage.write_text(storage.join(uri, CONFIG_FILE), dump_yaml(state.config))
+    storage.write_text(storage.join(uri, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
+    return uri
+
+
+def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
+    """Read a checkpoint written by :func:`save_checkpoint` (safetensors + YAML + JSON only)."""
+    if not storage.exists(storage.join(uri, META_FILE)):
+        raise CheckpointError(f"{uri} is not a complete PUMA checkpoint: {META_FILE} is missing "
+                              f"(expected files: {MODEL_FILE}, {CONFIG_FILE}, {META_FILE})")
+    import yaml
+
+    meta = json.loads(storage.read_text(storage.join(uri, META_FILE)))
+    config = from_dict(yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))))
+    model = st_load(storage.read_bytes(storage.join(uri, MODEL_FILE)))
+    loss = st_load(storage.read_bytes(storage.join(uri, LOSS_FILE)))
+    optimizer = None
+    if with_optimizer and "optimizer_layout" in meta:
+        tensors = st_load(storage.read_bytes(storage.join(uri, OPTIM_FILE)))
+        optimizer = unflatten_optimizer_state(tensors, meta["optimizer_layout"])
+    return CheckpointState(config=config, model=model, loss=loss, optimizer=optimizer, meta=meta)
+
+
+def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split a torch optimiser state_dict into safetensors-ready tensors and a JSON layout."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, pstate in state_dict["state"].items():
+        for key, value in pstate.items():
+            if torch.is_tensor(value):
+                tensors[f"{pid}.{key}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[key] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], layout: dict) -> dict:
+    """Inverse of :func:`flatten_optimizer_state`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = value
+    for pid, values in layout.get("scalars", {}).items():
+        state.setdefault(int(pid), {}).update(values)
+    return {"state": state, "param_groups": layout["param_groups"]}
+
+
+def load_trainable(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str = "") -> None:
+    """Load trainable weights into ``model``; every trainable tensor must be present and match."""
+    from puma.models.trainable import trainable_state_dict
+
+    expected = trainable_state_dict(model)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(model.state_dict()))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {source} does not match the model built from its config: "
+                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                              f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    model.load_state_dict(weights, strict=False)
+
+
+def load_model(uri: str, backbone_weights: str | None = None) -> tuple[torch.nn.Module, Config]:
+    """Rebuild the model from a checkpoint's config and load its trainable weights (eval mode).
+
+    ``backbone_weights`` overrides where the frozen backbone comes from (e.g. a local copy).
+    """
+    from puma.models import build_model
+
+    state = read_checkpoint(uri)
+    if backbone_weights:
+        state.config.model.backbone.weights = backbone_weights
+    model = build_model(state.config.model)
+    load_trainable(model, state.model, source=uri)
+    model.eval()
+    return model, state.config

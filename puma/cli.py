@@ -1,0 +1,50 @@
+"""The shared command line of every job: ``--config FILE`` plus dotted ``key=value`` overrides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from puma.config import Config, ConfigError, dump_yaml, load_config, valid_keys
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+
+
+def job_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every job shares; jobs add their own."""
+    parser = argparse.ArgumentParser(description=description,
+                                     epilog="Overrides are dotted config keys, e.g. train.epochs=5 "
+                                            "optim.lr=1e-4; --help-config lists every key.")
+    parser.add_argument("--config", help="YAML config file (local path or s3://); default: "
+                                         f"{DEMO_CONFIG.relative_to(REPO_ROOT)} (the embedded default)")
+    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """Defaults -> --config (or the demo config) -> overrides."""
+    path = args.config or str(DEMO_CONFIG)
+    return load_config(path, args.overrides)
+
+
+def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace,
+                                                                                     Config | None]:
+    """Parse argv; returns (args, None) when the job should exit early (help printed, bad config)."""
+    args = parser.parse_args(argv)
+    if args.help_config:
+        for key, tp in valid_keys().items():
+            print(f"{key}: {getattr(tp, '__name__', tp)}")
+        return args, None
+    try:
+        cfg = resolve_config(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    if args.print_config:
+        print(dump_yaml(cfg))
+        return args, None
+    return args, cfg

@@ -1,0 +1,66 @@
+"""Conditional prompt pool (paper Eq. 4-5).
+
+M prompts P_m (Np, D), keys K_m (D) and feature-attention vectors A_m (D). For a query q (D):
+
+    alpha_m = cos(q * softmax(A_m), K_m)        raw cosine: no softmax over m, no normalisation
+    prompt  = sum_m alpha_m P_m                 (Np, D)
+
+(The released code also passes alpha through a BatchNorm1d(affine=False) kept in eval mode with its
+initial statistics, i.e. a division by sqrt(1 + 1e-5); it is left out.) The orthogonality penalty is
+the released code's mean((T T^T - I)^2) summed over T = K, A and P flattened to (M, Np * D).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PromptPool(nn.Module):
+    """M prompts of Np tokens mixed by cosine weights of an attended query against learned keys."""
+
+    def __init__(self, dim: int, pool_size: int, length: int) -> None:
+        super().__init__()
+        self.prompts = nn.Parameter(torch.empty(pool_size, length, dim))  # P (M, Np, D)
+        self.keys = nn.Parameter(torch.empty(pool_size, dim))  # K (M, D)
+        self.attention = nn.Parameter(torch.empty(pool_size, dim))  # A (M, D)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Orthogonal init as the released code, but each prompt P_m drawn independently."""
+        nn.init.orthogonal_(self.keys)
+        nn.init.orthogonal_(self.attention)
+        with torch.no_grad():
+            for prompt in self.prompts:  # (Np, D) each; the released code copied P_0 into every P_m
+                nn.init.orthogonal_(prompt)
+
+    @property
+    def pool_size(self) -> int:
+        return self.prompts.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.prompts.shape[1]
+
+    def weights(self, query: torch.Tensor) -> torch.Tensor:
+        """alpha (B, M) = cos(q * softmax(A_m), K_m) for query (B, D)."""
+        attended = query[:, None, :] * self.attention.softmax(dim=-1)[None]  # (B, M, D)
+        return F.cosine_similarity(attended, self.keys[None], dim=-1)  # (B, M)
+
+    def forward(self, query: torch.Tensor) -> torch.Tensor:
+        """Prompt (B, Np, D) = sum_m alpha_m P_m."""
+        return torch.einsum("bm,mld->bld", self.weights(query), self.prompts)
+
+    def ortho_loss(self) -> torch.Tensor:
+        """Unweighted orthogonality penalty on K, A and P (scalar)."""
+        return sum(_ortho_penalty(t) for t in (self.keys, self.attention, self.prompts.flatten(1)))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.prompts.shape[2]}, pool_size={self.pool_size}, length={self.length}"
+
+
+def _ortho_penalty(t: torch.Tensor) -> torch.Tensor:
+    """mean((T T^T - I)^2) for T (M, K)."""
+    eye = torch.eye(t.shape[0], device=t.device, dtype=t.dtype)
+    return ((t @ t.T - eye) ** 2).mean()
