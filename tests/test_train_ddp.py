@@ -1,0 +1,93 @@
+"""DDP and the gathered loss: two Ray Train workers equal one process on the same global batch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import tiny_images, tiny_model_config
+
+from puma.config import LossConfig, OptimConfig
+from puma.losses import build_loss
+from puma.models import build_model
+from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
+from puma.optim import build_optimizer
+from puma.train.step import TrainModule, train_step
+
+GLOBAL_BATCH, STEPS, NUM_CLASSES = 8, 3, 4
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    import ray
+
+    if not ray.is_initialized():
+        tests = os.path.dirname(os.path.abspath(__file__))
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _temp_dir=str(tmp_path_factory.mktemp("ray")),
+                 runtime_env={"env_vars": {"PYTHONPATH": tests}})
+    yield ray
+
+
+def _module() -> tuple[TrainModule, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    cfg = tiny_model_config(adapter={"keep_prob": 1.0})  # no sampling: ranks must agree exactly
+    model = build_model(cfg)
+    loss = build_loss(LossConfig(), NUM_CLASSES, cfg.head.embed_dim)
+    optimizer = build_optimizer(trainable_parameter_groups(model), loss, OptimConfig(lr=1e-3))
+    return TrainModule(model, loss), optimizer
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    labels = torch.arange(GLOBAL_BATCH) % NUM_CLASSES
+    return tiny_images(GLOBAL_BATCH, seed=step), labels
+
+
+def _state(module: TrainModule) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in trainable_state_dict(module.model).items()}
+    out.update({f"loss.{k}": v.detach().clone() for k, v in module.loss.state_dict().items()})
+    return out
+
+
+def _worker(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    module, optimizer = _module()
+    ddp = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={"broadcast_buffers": False})
+    per = GLOBAL_BATCH // world
+    for step in range(STEPS):
+        images, labels = _global_batch(step)
+        train_step(ddp, optimizer, images[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per],
+                   clip_value=1.0)
+    if rank == 0:
+        save_file(_state(module), config["out"])
+    ray.train.report({"done": 1})
+
+
+def test_two_workers_match_one_process(ray_session, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = str(tmp_path / "two_workers.safetensors")
+    TorchTrainer(_worker, train_loop_config={"out": out},
+                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                 run_config=RunConfig(name="ddp-equivalence", storage_path=str(tmp_path / "runs"))).fit()
+    distributed = load_file(out)
+
+    module, optimizer = _module()
+    initial = _state(module)
+    for step in range(STEPS):
+        images, labels = _global_batch(step)
+        train_step(module, optimizer, images, labels, clip_value=1.0)
+    single = _state(module)
+
+    assert set(distributed) == set(single)
+    moved = [k for k in single if not torch.equal(single[k], initial[k])]
+    assert len(moved) >= len(single) - 1, "training must move (almost) every trainable tensor"
+    for key in single:
+        torch.testing.assert_close(distributed[key], single[key], rtol=1e-4, atol=1e-5, msg=key)
