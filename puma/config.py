@@ -96,6 +96,41 @@ class HeadConfig:
         _check_range("model.head.embed_dim", self.embed_dim, 1, 65536)
 
 
+LORA_TARGETS = ("q", "k", "v", "proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA on the attention projections (methods lora, puma_lora); keep_prob < 1: stochastic LoRA."""
+
+    rank: int = 128
+    keep_prob: float = 1.0  # per-sample Bernoulli keep of each LoRA branch, as the adapters (Table 7: 0.5)
+    scale: float = 1.0  # alpha / r
+    targets: list[str] = field(default_factory=lambda: ["q", "k"])  # of q, k, v (fused qkv) and proj
+    blocks: Optional[list[int]] = None  # None: every block
+
+    def __post_init__(self) -> None:
+        _check_range("model.lora.rank", self.rank, 1, 4096)
+        _check(0.0 < self.keep_prob <= 1.0,
+               f"model.lora.keep_prob={self.keep_prob!r} is out of range; valid: 0 < p <= 1")
+        _check(bool(self.targets) and len(set(self.targets)) == len(self.targets)
+               and set(self.targets) <= set(LORA_TARGETS),
+               f"model.lora.targets={self.targets!r}: expected distinct names from {list(LORA_TARGETS)}")
+        if self.blocks is not None:
+            _check(all(isinstance(b, int) and b >= 0 for b in self.blocks),
+                   f"model.lora.blocks={self.blocks!r}: expected a list of block indices >= 0")
+
+
+@dataclass
+class VptConfig:
+    """Visual prompt tuning (methods vpt_shallow, vpt_deep): Np learned tokens right after CLS."""
+
+    length: int = 8  # Np
+
+    def __post_init__(self) -> None:
+        _check_range("model.vpt.length", self.length, 1, 1024)
+
+
 @dataclass
 class ModelConfig:
     method: str = "puma"
@@ -103,6 +138,8 @@ class ModelConfig:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     prompt_pool: PromptPoolConfig = field(default_factory=PromptPoolConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    vpt: VptConfig = field(default_factory=VptConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.method), "model.method must be set, e.g. 'puma'")
@@ -111,7 +148,7 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- loss, optimiser
 
 LOSS_NAMES = ("curricularface", "arcface", "cosface", "proxy_anchor", "softtriple",
-              "triplet", "margin", "multi_similarity")
+              "triplet", "margin", "multi_similarity", "hyp", "supcon", "proxy_nca_pp")
 
 
 @dataclass
@@ -121,9 +158,12 @@ class LossConfig:
     margin: float = 0.3  # m
     t_mode: str = "per_class"  # CurricularFace hard-negative statistic t: per_class | global
     t_momentum: float = 0.99
+    xbm_memory_size: int = 0  # cross-batch memory (XBM) for pair-based losses; 0: off
 
     def __post_init__(self) -> None:
         _check_choice("loss.name", self.name, LOSS_NAMES)
+        _check(self.xbm_memory_size >= 0, f"loss.xbm_memory_size={self.xbm_memory_size!r} must be >= 0 "
+                                          "(0: no cross-batch memory)")
         _check_choice("loss.t_mode", self.t_mode, ("per_class", "global"))
         _check(self.scale > 0, f"loss.scale={self.scale!r} must be > 0")
         _check_range("loss.t_momentum", self.t_momentum, 0.0, 1.0)
@@ -158,19 +198,31 @@ class DataConfig:
     """Where prepared Parquet lives and how it is streamed."""
 
     uri: str = "artifacts/data/demo"  # prepared dataset root (local path or s3://)
-    preset: str = "demo"  # what jobs/prepare_data.py builds when uri is empty
-    source_root: str = "../shared/data"  # raw sample data for the demo preset
+    preset: str = "demo"  # how a missing data.uri is built: demo | cub | cars | ... ('' = never)
+    source_root: str = "../shared/data"  # raw data: the demo's sample folders, or a named preset's release
     fashion_mnist_dir: str = "/usr/share/datasets/fashion-mnist"
     datasets: Optional[list[str]] = None  # None: all datasets in the manifest
     val_fraction: float = 0.0  # fraction of training classes held out for validation (tune)
     shard_rows: int = 2000
-    max_images_per_class: Optional[int] = None  # demo: cap very large datasets
+    max_images_per_class: Optional[int] = None  # demo: per-class cap of cub/flowers/omniglot (None: 12)
+    fashion_mnist_per_class: int = 400  # demo: per-class cap of Fashion-MNIST, the large, dominant dataset
     num_decode_cpus: float = 0.5
-    rejects_uri: str = ""  # default: <run dir>/rejects
+    rejects_uri: str = ""  # default: <train.storage_path>/<train.run_name>/data_rejects.jsonl
+    min_image_size: int = 16  # images whose shorter side is below this are rejected as tiny
+    shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | local (block order) | none
+    shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
+    decode_batch_size: int = 32  # rows per Ray Data decode task batch
 
     def __post_init__(self) -> None:
         _check_range("data.val_fraction", self.val_fraction, 0.0, 0.9)
         _check(self.shard_rows >= 1, "data.shard_rows must be >= 1")
+        _check(self.num_decode_cpus > 0, f"data.num_decode_cpus={self.num_decode_cpus!r} must be > 0")
+        _check(self.min_image_size >= 1, f"data.min_image_size={self.min_image_size!r} must be >= 1")
+        _check_choice("data.shuffle", self.shuffle, ("global", "local", "none"))
+        _check(self.decode_batch_size >= 1, "data.decode_batch_size must be >= 1")
+        _check(self.max_images_per_class is None or self.max_images_per_class >= 2,
+               "data.max_images_per_class must be >= 2 (retrieval needs pairs) or null")
+        _check(self.fashion_mnist_per_class >= 2, "data.fashion_mnist_per_class must be >= 2")
 
 
 @dataclass
@@ -306,6 +358,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _from_dict(tp, value, key)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _looks_numeric(value):
+        return float(value)  # YAML 1.1 reads 1.0e4 (no exponent sign) as a string
     if tp is bool:
         _check(isinstance(value, bool), f"{key}: expected true/false, got {value!r}")
         return value

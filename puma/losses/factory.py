@@ -21,7 +21,16 @@ margin             MarginLoss(margin 0.2, beta 1.2 fixed, nu 0) + DistanceWeight
                    0.5, nonzero_loss_cutoff 1.4): the sampling of Wu et al. 2017
 multi_similarity   MultiSimilarityLoss(alpha 2, beta 50, base 0.5) + MultiSimilarityMiner
                    (epsilon 0.1): the MS paper's pair mining
+hyp                SupConLoss over the Poincare-ball distance (c 0.1, clip_r 2.3, tau 0.2):
+                   Hyp's pairwise cross-entropy and settings (puma/losses/hyperbolic.py)
+supcon             SupConLoss(temperature 0.1, cosine): the SupCon paper's value (pml default;
+                   the released code's SupCon is Hyp's loss with c = 0 and tau 0.1)
+proxy_nca_pp       ProxyNCALoss(softmax_scale 9 = 1 / T, squared L2 of normalised embeddings and
+                   proxies): ProxyNCA++'s T = 1/9 (the released code set 9 but never used it)
 =================  ==========================================================================
+
+``loss.xbm_memory_size > 0`` wraps a pair-based loss (triplet, margin, multi_similarity, supcon,
+hyp) and its miner in a cross-batch memory of that many embeddings (puma/losses/xbm.py).
 
 Single-proxy losses initialise proxies kaiming-uniform over the class dimension (bound
 sqrt(6 / C)), as the released code does for PA, CosFace, ArcFace and CurricularFace.
@@ -39,8 +48,11 @@ from torch import nn
 
 from puma.config import LOSS_NAMES, LossConfig
 from puma.losses.curricularface import CurricularFaceLoss, check_embeddings_labels
+from puma.losses.hyperbolic import hyp_loss
+from puma.losses.xbm import CrossBatchMemoryLoss
 
-PROXY_LOSSES = ("curricularface", "arcface", "cosface", "proxy_anchor", "softtriple")
+PROXY_LOSSES = ("curricularface", "arcface", "cosface", "proxy_anchor", "softtriple", "proxy_nca_pp")
+XBM_LOSSES = ("triplet", "margin", "multi_similarity", "supcon", "hyp")  # pair-based: XBM applies
 
 
 class MetricLoss(nn.Module):
@@ -80,6 +92,8 @@ def build_loss(cfg: LossConfig, num_classes: int, embed_dim: int) -> MetricLoss:
     if not (isinstance(embed_dim, int) and embed_dim >= 1):
         raise ValueError(f"embed_dim={embed_dim!r}: expected an int >= 1")
     loss, miner = _BUILDERS[cfg.name](cfg, num_classes, embed_dim)
+    if cfg.xbm_memory_size > 0:
+        loss, miner = _with_xbm(cfg, loss, miner, embed_dim), None
     with_proxies = cfg.name in PROXY_LOSSES
     return MetricLoss(loss, miner, embed_dim, num_classes if with_proxies else None)
 
@@ -130,8 +144,30 @@ def _multi_similarity(cfg: LossConfig, num_classes: int, embed_dim: int):
             miners.MultiSimilarityMiner(epsilon=0.1))
 
 
+def _hyp(cfg: LossConfig, num_classes: int, embed_dim: int):
+    return hyp_loss(), None
+
+
+def _supcon(cfg: LossConfig, num_classes: int, embed_dim: int):
+    return losses.SupConLoss(temperature=0.1), None
+
+
+def _proxy_nca_pp(cfg: LossConfig, num_classes: int, embed_dim: int):
+    return losses.ProxyNCALoss(num_classes, embed_dim, softmax_scale=9.0,
+                               weight_init_func=_class_dim_uniform("fan_out")), None  # proxies: (C, E)
+
+
+def _with_xbm(cfg: LossConfig, loss: nn.Module, miner: nn.Module | None, embed_dim: int) -> nn.Module:
+    """The pair-based ``loss`` and its miner inside a cross-batch memory of loss.xbm_memory_size."""
+    if cfg.name not in XBM_LOSSES:
+        raise ValueError(f"loss.xbm_memory_size={cfg.xbm_memory_size} applies to pair-based losses "
+                         f"{list(XBM_LOSSES)}, not {cfg.name!r}; set it to 0")
+    return CrossBatchMemoryLoss(loss, embed_dim, memory_size=cfg.xbm_memory_size, miner=miner)
+
+
 _BUILDERS: dict[str, Callable] = {
     "curricularface": _curricularface, "arcface": _arcface, "cosface": _cosface,
     "proxy_anchor": _proxy_anchor, "softtriple": _softtriple, "triplet": _triplet,
     "margin": _margin, "multi_similarity": _multi_similarity,
+    "hyp": _hyp, "supcon": _supcon, "proxy_nca_pp": _proxy_nca_pp,
 }

@@ -29,6 +29,8 @@ from puma.models.prompt_pool import PromptPool
 class PumaModel(nn.Module):
     """images (B, 3, H, W) -> L2-normalised embeddings (B, embed_dim)."""
 
+    method: str = "puma"  # the model.method it was built for; trainable.py reads it
+
     def __init__(self, backbone: VisionTransformer, head: EmbeddingHead,
                  prompt_pool: Optional[PromptPool] = None, ortho_weight: float = 0.0) -> None:
         super().__init__()
@@ -122,5 +124,6 @@ def build_model(cfg: ModelConfig) -> PumaModel:
     if cfg.method not in METHODS:
         raise ConfigError(f"model.method={cfg.method!r} is not known; valid: {sorted(METHODS)}")
     model = METHODS[cfg.method](cfg)
+    model.method = cfg.method
     mark_trainable(model)
     return model

@@ -1,39 +1,108 @@
-"""The one place that decides what trains: the backbone is frozen; adapters, prompts and head train.
+"""The one place that decides what trains: each method declares its trainable parts here.
 
-Parameter groups (for puma.optim.build_optimizer):
+Parts and the optimiser group each lands in (puma.optim.build_optimizer):
 
-    backbone   trainable backbone weights (none for PUMA)
-    modules    adapters and the prompt pool
-    head       the embedding head
+    part              what                                              group
+    adapters          stochastic / static adapters (StochasticAdapter)  modules
+    prompt_pool       PUMA's conditional prompt pool (PromptPool)       modules
+    vpt_prompts       VPT prompt tokens (VisualPrompts)                 modules
+    lora              LoRA branches (LoraBranch)                        modules
+    head              the embedding head (linear or MLP)                head
+    backbone_biases   every bias of the backbone (BitFit)               backbone
+    backbone          every backbone parameter (full fine-tuning)       backbone
+
+Everything else is frozen. Full fine-tuning trains the LayerNorm weights too (the paper: "every
+parameter in the backbone and the embedding layer is fully updated"; in the released code the
+norm freeze is undone for every parameter in the optimiser when the backbone is not frozen);
+LayerNorm has no running statistics, so PumaModel keeping norms in eval mode changes nothing.
+BitFit's biases include the LayerNorm biases (Ben Zaken et al. 2022 tune every bias term).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from puma.config import ConfigError
 from puma.models.adapter import StochasticAdapter
-from puma.models.backbone import freeze_backbone
+from puma.models.lora import LoraBranch
 from puma.models.prompt_pool import PromptPool
 from puma.models.puma_model import PumaModel
+from puma.models.vpt import VisualPrompts
 
-PEFT_MODULE_TYPES: tuple[type[nn.Module], ...] = (StochasticAdapter, PromptPool)
+PEFT_PARTS: dict[str, type[nn.Module]] = {
+    "adapters": StochasticAdapter,
+    "prompt_pool": PromptPool,
+    "vpt_prompts": VisualPrompts,
+    "lora": LoraBranch,
+}
+PEFT_MODULE_TYPES: tuple[type[nn.Module], ...] = tuple(PEFT_PARTS.values())
+
+METHOD_TRAINABLE: dict[str, tuple[str, ...]] = {
+    "puma": ("adapters", "prompt_pool", "head"),
+    "linear": ("head",),
+    "mlp3": ("head",),
+    "vpt_shallow": ("vpt_prompts", "head"),
+    "vpt_deep": ("vpt_prompts", "head"),
+    "lora": ("lora", "head"),
+    "puma_lora": ("adapters", "prompt_pool", "lora", "head"),
+    "adaptformer": ("adapters", "head"),
+    "bitfit": ("backbone_biases", "head"),
+    "full_finetune": ("backbone", "head"),
+}
 
 
-def peft_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """The adapter and prompt-pool modules inside ``model``."""
-    return (m for m in model.modules() if isinstance(m, PEFT_MODULE_TYPES))
+def peft_modules(model: nn.Module,
+                 types: tuple[type[nn.Module], ...] = PEFT_MODULE_TYPES) -> Iterator[nn.Module]:
+    """The adapter, prompt, VPT and LoRA modules inside ``model`` (of ``types``)."""
+    return (m for m in model.modules() if isinstance(m, types))
+
+
+def _backbone_biases(model: PumaModel) -> Iterator[nn.Parameter]:
+    peft = {id(p) for m in peft_modules(model.backbone) for p in m.parameters()}
+    return (p for n, p in model.backbone.named_parameters() if n.endswith("bias") and id(p) not in peft)
+
+
+def _backbone_weights(model: PumaModel) -> Iterator[nn.Parameter]:
+    peft = {id(p) for m in peft_modules(model.backbone) for p in m.parameters()}
+    return (p for p in model.backbone.parameters() if id(p) not in peft)
+
+
+PART_PARAMETERS: dict[str, Callable[[PumaModel], Iterable[nn.Parameter]]] = {
+    **{part: (lambda m, t=t: (p for mod in peft_modules(m, (t,)) for p in mod.parameters()))
+       for part, t in PEFT_PARTS.items()},
+    "head": lambda m: m.head.parameters(),
+    "backbone_biases": _backbone_biases,
+    "backbone": _backbone_weights,
+}
+
+
+def method_parts(method: str) -> tuple[str, ...]:
+    """The parts ``method`` trains; raises for a method that has not declared them."""
+    if method not in METHOD_TRAINABLE:
+        raise ConfigError(f"model.method={method!r} declares no trainable set in puma.models.trainable."
+                          f"METHOD_TRAINABLE; declared: {sorted(METHOD_TRAINABLE)}")
+    return METHOD_TRAINABLE[method]
 
 
 def mark_trainable(model: PumaModel) -> None:
-    """Freeze the backbone; make adapters, prompt pool and head trainable."""
-    freeze_backbone(model.backbone)
-    model.requires_grad_(False)  # anything not listed below stays frozen too
-    for module in peft_modules(model):
-        module.requires_grad_(True)
-    model.head.requires_grad_(True)
+    """Freeze everything, then unfreeze exactly the parts ``model.method`` declares."""
+    parts = method_parts(model.method)
+    _check_no_undeclared_modules(model, parts)
+    model.requires_grad_(False)
+    for part in parts:
+        for p in PART_PARAMETERS[part](model):
+            p.requires_grad_(True)
+
+
+def _check_no_undeclared_modules(model: PumaModel, parts: tuple[str, ...]) -> None:
+    """A PEFT module the method does not train would be dead weight: a builder/declaration mismatch."""
+    for part, module_type in PEFT_PARTS.items():
+        if part not in parts and any(True for _ in peft_modules(model, (module_type,))):
+            raise ConfigError(f"model.method={model.method!r} built {module_type.__name__} modules but "
+                              f"does not train {part!r}; its declared parts are {list(parts)}")
 
 
 def trainable_parameter_groups(model: PumaModel) -> dict[str, list[nn.Parameter]]:

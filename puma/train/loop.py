@@ -131,6 +131,7 @@ def _evaluate_zero_shot(cfg: Config, device) -> dict[str, float]:
     if not _is_rank0():
         return {}
     base = from_dict(to_dict(cfg))
+    base.model.method = "linear"  # backbone + head only: no adapters, prompts or LoRA
     base.model.adapter.enabled = False
     base.model.prompt_pool.enabled = False
     backbone = build_model(base.model).to(device).eval()
