@@ -1,0 +1,779 @@
+"""Offline checks for the Kubernetes manifests in infra/: what an API server, the KubeRay operator
+and our deployment policy would reject, without a cluster.
+
+    python infra/check.py                      # every overlay under infra/overlays
+    python infra/check.py infra/overlays/prod  # one overlay
+
+Each overlay is rendered with the real Kustomize (``kubectl kustomize``); RayJobs embedded in
+ConfigMaps (the CronJob's template) are checked like rendered objects. Reported:
+
+- ray.io objects against the KubeRay 1.7 CRD schemas (../shared/kuberay-crds/v1.7.0), with
+  unknown fields rejected as by strict field validation and the CRDs' CEL rules evaluated;
+  plus the operator's own admission rules (a port of ray-operator's ValidateRayClusterSpec,
+  ValidateRayJobSpec and ValidateRayCronJobSpec);
+- built-in kinds that ``kubernetes-validate`` rejects (strict) for Kubernetes ``K8S_VERSION``;
+- every pod template (Ray head + injected autoscaler, worker groups, RayJob submitters, CronJob
+  pods): Pod Security "restricted", requests and limits for cpu and memory, pinned images, no
+  literal credentials, GPU limits exactly on GPU groups;
+- exposure: LoadBalancer / NodePort Services, Ingresses, non-ClusterIP Ray head services, and
+  NetworkPolicies that let anything outside the namespace reach the head's 8265, 10001 or 6379
+  (only the KubeRay operator may reach 8265);
+- dangling references (service accounts, ConfigMaps, Roles, RayClusters named by clusterSelector).
+
+Exit status 1 if anything is reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+INFRA = Path(__file__).resolve().parent
+ROOT = INFRA.parent
+CRD_DIR = Path(os.environ.get("PUMA_KUBERAY_CRDS", ROOT.parent / "shared" / "kuberay-crds" / "v1.7.0"))
+K8S_VERSION = "1.33.0"
+RAY_GROUP = "ray.io"
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 4 MB of YAML
+IMAGE_APP_DIR = "/home/ray/app"  # where the images hold the repository (cluster/Dockerfile.*)
+HEAD_PORTS = (8265, 10001, 6379)
+OPERATOR_NAMESPACE = "kuberay-system"
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
+
+
+class CheckError(RuntimeError):
+    """The manifests could not be rendered or loaded; the message says what is missing."""
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render(kustomization_dir: Path) -> list[dict]:
+    """The objects ``kubectl kustomize DIR`` renders (the real Kustomize, v5 inside kubectl)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise CheckError("kubectl (with its built-in kustomize) is not on PATH; install kubectl >= 1.27")
+    proc = subprocess.run([kubectl, "kustomize", str(kustomization_dir)], capture_output=True,
+                          text=True, timeout=120)
+    if proc.returncode != 0:
+        raise CheckError(f"kubectl kustomize {kustomization_dir} failed: {proc.stderr.strip()}")
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def embedded_objects(objs: list[dict]) -> list[dict]:
+    """Kubernetes objects stored as YAML in ConfigMap data (e.g. the CronJob's RayJob template)."""
+    found = []
+    for cm in (o for o in objs if o.get("kind") == "ConfigMap"):
+        for value in (cm.get("data") or {}).values():
+            doc = yaml.safe_load(value)
+            if isinstance(doc, dict) and "apiVersion" in doc and "kind" in doc:
+                doc.setdefault("metadata", {}).setdefault("namespace", cm["metadata"].get("namespace"))
+                found.append(doc)
+    return found
+
+
+def overlays() -> list[Path]:
+    """Every overlay directory under infra/overlays."""
+    return sorted(p.parent for p in (INFRA / "overlays").glob("*/kustomization.yaml"))
+
+
+def describe(obj: dict) -> str:
+    """``Kind/name`` (or ``Kind/generateName*``) for messages."""
+    meta = obj.get("metadata", {})
+    return f"{obj.get('kind')}/{meta.get('name') or str(meta.get('generateName', '?')) + '*'}"
+
+
+# ----------------------------------------------------------------------------- CRD schemas
+
+# CEL rules (x-kubernetes-validations) of the KubeRay 1.7 CRDs, as Python. Transition rules
+# (those reading oldSelf) only apply to updates and are skipped; any other rule not listed here
+# is reported, so a manifest never passes with a rule nobody evaluated.
+CEL_RULES: dict[str, Callable[[object], bool]] = {
+    "!((has(self.onSuccess) || has(self.onFailure)) && has(self.deletionRules))":
+        lambda s: not (("onSuccess" in s or "onFailure" in s) and "deletionRules" in s),
+    "((has(self.onSuccess) && has(self.onFailure)) || has(self.deletionRules))":
+        lambda s: ("onSuccess" in s and "onFailure" in s) or "deletionRules" in s,
+    "!(has(self.jobStatus) && has(self.jobDeploymentStatus))":
+        lambda s: not ("jobStatus" in s and "jobDeploymentStatus" in s),
+    "has(self.jobStatus) || has(self.jobDeploymentStatus)":
+        lambda s: "jobStatus" in s or "jobDeploymentStatus" in s,
+    "self in ['ray.io/kuberay-operator', 'kueue.x-k8s.io/multikueue']":
+        lambda s: s in ("ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue"),
+}
+
+
+def _cel_keyword(validator, rules, instance, schema) -> Iterator[jsonschema.ValidationError]:
+    for rule in rules:
+        text = rule["rule"]
+        if "oldSelf" in text:
+            continue
+        check = CEL_RULES.get(text)
+        if check is None:
+            yield jsonschema.ValidationError(f"CEL rule {text!r} is not evaluated offline; add it to "
+                                             "CEL_RULES")
+        elif not check(instance):
+            yield jsonschema.ValidationError(f"{rule.get('message', text)} (CEL: {text})")
+
+
+FORMATS = jsonschema.FormatChecker()
+
+
+@FORMATS.checks("int32")
+def _int32(value: object) -> bool:
+    return not isinstance(value, int) or -(2**31) <= value < 2**31
+
+
+@FORMATS.checks("int64")
+def _int64(value: object) -> bool:
+    return not isinstance(value, int) or -(2**63) <= value < 2**63
+
+
+CrdValidatorClass = jsonschema.validators.extend(jsonschema.Draft7Validator,
+                                                 {"x-kubernetes-validations": _cel_keyword})
+
+
+def strict_schema(node: dict) -> dict:
+    """An OpenAPI v3 CRD schema as JSON Schema that rejects unknown fields like an API server.
+
+    Objects with ``properties`` and no ``x-kubernetes-preserve-unknown-fields`` get
+    ``additionalProperties: false``; ``nullable`` becomes a null type; int-or-string quantities
+    are already ``anyOf`` [integer, string]."""
+    out = dict(node)
+    if "properties" in node:
+        out["properties"] = {k: strict_schema(v) for k, v in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields"):
+            out.setdefault("additionalProperties", False)
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(node.get(key), dict):
+            out[key] = strict_schema(node[key])
+    for key in ("anyOf", "allOf", "oneOf"):
+        if key in node:
+            out[key] = [strict_schema(s) for s in node[key]]
+    if node.get("nullable") and "type" in node:
+        out["type"] = [node["type"], "null"]
+    return out
+
+
+@functools.cache
+def crd_validators(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], jsonschema.Validator]:
+    """(apiVersion, kind) -> validator for every served version of every CRD in ``crd_dir``."""
+    if not crd_dir.is_dir():
+        raise CheckError(f"KubeRay CRDs not found at {crd_dir}; set PUMA_KUBERAY_CRDS")
+    validators = {}
+    for path in sorted(crd_dir.glob("*.yaml")):
+        crd = yaml.load(path.read_text(), Loader=SafeLoader)
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            schema = strict_schema(version["schema"]["openAPIV3Schema"])
+            key = (f"{group}/{version['name']}", kind)
+            validators[key] = CrdValidatorClass(schema, format_checker=FORMATS)
+    return validators
+
+
+def schema_errors(obj: dict) -> list[str]:
+    """Why an API server would reject ``obj`` (CRD schema for ray.io, kubernetes-validate otherwise)."""
+    where = describe(obj)
+    if obj.get("apiVersion", "").startswith(RAY_GROUP + "/"):
+        validator = crd_validators().get((obj["apiVersion"], obj["kind"]))
+        if validator is None:
+            return [f"{where}: no CRD serves {obj['apiVersion']} {obj['kind']}"]
+        errors = [f"{where}: {'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+                  for e in validator.iter_errors(obj)]
+        meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj.get("metadata", {})}
+        return errors + [f"{where}: metadata: {e}" for e in _builtin_errors(meta)]
+    return [f"{where}: {e}" for e in _builtin_errors(obj)]
+
+
+def _builtin_errors(obj: dict) -> list[str]:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{'.'.join(map(str, exc.path)) or '<root>'}: {exc.message}"]
+    except (kubernetes_validate.SchemaNotFoundError, kubernetes_validate.InvalidSchemaError) as exc:
+        return [f"kubernetes-validate has no schema: {exc}"]
+    return []
+
+
+# ----------------------------------------------------------------------------- KubeRay admission
+
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = {"RayCluster": 53, "RayJob": 47, "RayCronJob": 47}  # ray-operator utils/constant.go
+SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
+RAY_START_RESOURCE_KEYS = ("num-cpus", "num-gpus", "memory", "resources")
+
+
+def kuberay_errors(obj: dict) -> list[str]:
+    """What the KubeRay 1.7 operator refuses to reconcile (ray-operator utils/validation.go)."""
+    kind, where, spec = obj.get("kind"), describe(obj), obj.get("spec", {})
+    errors = _name_errors(kind, obj.get("metadata", {}))
+    if kind == "RayCluster":
+        errors += cluster_spec_errors(spec)
+    elif kind == "RayJob":
+        errors += job_spec_errors(spec)
+    elif kind == "RayCronJob":
+        errors += cron_errors(spec.get("schedule", "")) + job_spec_errors(spec.get("jobTemplate") or {})
+    return [f"{where}: {e}" for e in errors]
+
+
+def _name_errors(kind: str, meta: dict) -> list[str]:
+    name = meta.get("name") or (meta.get("generateName", "") + "x" * 5)
+    limit = MAX_NAME.get(kind, 253)
+    errors = [] if len(name) <= limit else [f"name {name!r} is longer than {limit} characters"]
+    return errors + ([] if DNS1035.match(name) else [f"name {name!r} is not a DNS-1035 label"])
+
+
+def cluster_spec_errors(spec: dict) -> list[str]:
+    """ValidateRayClusterSpec, for the fields these manifests use."""
+    groups = [("head", spec.get("headGroupSpec", {}))]
+    groups += [(g.get("groupName", "?"), g) for g in spec.get("workerGroupSpecs", [])]
+    errors = [err for name, group in groups for err in _group_errors(name, group)]
+    autoscaling = bool(spec.get("enableInTreeAutoscaling"))
+    v2 = autoscaling and spec.get("autoscalerOptions", {}).get("version") == "v2"
+    for name, group in groups:
+        restart = group.get("template", {}).get("spec", {}).get("restartPolicy")
+        if v2 and restart not in (None, "Never"):
+            errors.append(f"{name}: restartPolicy must be Never or unset with autoscaler v2")
+        if autoscaling and group.get("suspend"):
+            errors.append(f"{name}: a worker group cannot be suspended with the autoscaler enabled")
+    if spec.get("authOptions", {}).get("mode") == "token" and _version(spec.get("rayVersion")) < (2, 52, 0):
+        errors.append("authOptions.mode 'token' needs rayVersion >= 2.52.0")
+    return errors
+
+
+def _group_errors(name: str, group: dict) -> list[str]:
+    errors = []
+    if not group.get("template", {}).get("spec", {}).get("containers"):
+        errors.append(f"{name}: the pod template needs at least one container")
+    params = group.get("rayStartParams", {})
+    if group.get("resources") and any(params.get(k) for k in RAY_START_RESOURCE_KEYS):
+        errors.append(f"{name}: resources set both in rayStartParams and resources")
+    if "labels" in params:
+        errors.append(f"{name}: rayStartParams['labels'] is not supported; use the labels field")
+    low, high = group.get("minReplicas", 0), group.get("maxReplicas", 2**31 - 1)
+    if "groupName" in group and not low <= group.get("replicas", low) <= high:
+        errors.append(f"{name}: need minReplicas <= replicas <= maxReplicas, got {low}, "
+                      f"{group.get('replicas')}, {high}")
+    return errors
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    parts = re.findall(r"\d+", text or "")
+    return tuple(int(p) for p in parts[:3]) if parts else (0,)
+
+
+def job_spec_errors(spec: dict) -> list[str]:
+    """ValidateRayJobSpec (and its deletion-strategy rules)."""
+    shutdown, selector = bool(spec.get("shutdownAfterJobFinishes")), spec.get("clusterSelector") or {}
+    mode = spec.get("submissionMode", "K8sJobMode")
+    checks = [
+        (mode in SUBMISSION_MODES, f"submissionMode {mode!r} is not one of {list(SUBMISSION_MODES)}"),
+        (not (spec.get("suspend") and not shutdown), "suspend needs shutdownAfterJobFinishes"),
+        (not (spec.get("ttlSecondsAfterFinished", 0) > 0 and not shutdown),
+         "ttlSecondsAfterFinished needs shutdownAfterJobFinishes: true"),
+        (bool(spec.get("rayClusterSpec") or selector),
+         "one of rayClusterSpec or clusterSelector must be set"),
+        (not selector or bool(selector.get("ray.io/cluster")), "clusterSelector needs ray.io/cluster"),
+        (not (selector and mode == "SidecarMode"), "clusterSelector is not supported in SidecarMode"),
+        (spec.get("activeDeadlineSeconds", 1) > 0, "activeDeadlineSeconds must be positive"),
+        (spec.get("backoffLimit", 0) >= 0, "backoffLimit must be >= 0"),
+        (not (mode == "InteractiveMode" and spec.get("backoffLimit", 0) > 0),
+         "backoffLimit is incompatible with InteractiveMode"),
+        (not (mode == "SidecarMode" and ("submitterPodTemplate" in spec or "submitterConfig" in spec)),
+         "SidecarMode supports neither submitterPodTemplate nor submitterConfig"),
+        (_runtime_env_ok(spec.get("runtimeEnvYAML")), "runtimeEnvYAML is not a YAML mapping"),
+    ]
+    errors = [msg for ok, msg in checks if not ok]
+    restart = spec.get("submitterPodTemplate", {}).get("spec", {}).get("restartPolicy", "Never")
+    if restart not in ("Never", "OnFailure"):
+        errors.append(f"submitterPodTemplate.restartPolicy {restart!r}: a Job pod needs Never or OnFailure")
+    if spec.get("rayClusterSpec"):
+        errors += [f"rayClusterSpec: {e}" for e in cluster_spec_errors(spec["rayClusterSpec"])]
+    return errors + deletion_errors(spec)
+
+
+def _runtime_env_ok(text: str | None) -> bool:
+    if not text:
+        return True
+    try:
+        return isinstance(yaml.safe_load(text), dict)
+    except yaml.YAMLError:
+        return False
+
+
+def deletion_errors(spec: dict) -> list[str]:
+    """validateDeletionConfiguration / validateDeletionRules."""
+    strategy = spec.get("deletionStrategy")
+    if not strategy:
+        return []
+    rules = strategy.get("deletionRules") or []
+    errors = ["deletionRules and shutdownAfterJobFinishes are mutually exclusive"] \
+        if rules and spec.get("shutdownAfterJobFinishes") else []
+    autoscaling = bool((spec.get("rayClusterSpec") or {}).get("enableInTreeAutoscaling"))
+    ttls: dict[str, dict[str, int]] = {}
+    for i, rule in enumerate(rules):
+        policy, cond = rule.get("policy"), rule.get("condition", {})
+        if spec.get("clusterSelector") and policy in ("DeleteCluster", "DeleteWorkers"):
+            errors.append(f"deletionRules[{i}]: {policy} is not supported with clusterSelector")
+        if autoscaling and policy == "DeleteWorkers":
+            errors.append(f"deletionRules[{i}]: DeleteWorkers is not supported with autoscaling")
+        by_policy = ttls.setdefault(cond.get("jobStatus", ""), {})
+        if policy in by_policy:
+            errors.append(f"deletionRules[{i}]: duplicate rule for {policy} and {cond.get('jobStatus')}")
+        by_policy[policy] = cond.get("ttlSeconds", 0)
+    for status, by_policy in ttls.items():
+        order = [by_policy[p] for p in ("DeleteWorkers", "DeleteCluster", "DeleteSelf") if p in by_policy]
+        if order != sorted(order):
+            errors.append(f"deletionRules for {status or 'jobDeploymentStatus'}: TTLs must grow "
+                          "Workers <= Cluster <= Self")
+    return errors
+
+
+MONTHS = "JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split()
+CRON_FIELDS = ((0, 59, {}), (0, 23, {}), (1, 31, {}), (1, 12, {m: i + 1 for i, m in enumerate(MONTHS)}),
+               (0, 7, {d: i for i, d in enumerate("SUN MON TUE WED THU FRI SAT".split())}))
+CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+
+
+def cron_errors(schedule: str) -> list[str]:
+    """robfig/cron ParseStandard: five fields (or a descriptor), each within its range."""
+    text = re.sub(r"^(CRON_TZ|TZ)=\S+\s+", "", schedule.strip())
+    if text in CRON_DESCRIPTORS or text.startswith("@every "):
+        return []
+    fields = text.split()
+    if len(fields) != 5:
+        return [f"schedule {schedule!r}: expected 5 fields, got {len(fields)}"]
+    bad = [f for f, (lo, hi, names) in zip(fields, CRON_FIELDS, strict=True)
+           if not _cron_field_ok(f, lo, hi, names)]
+    return [f"schedule {schedule!r}: invalid field(s) {bad}"] if bad else []
+
+
+def _cron_field_ok(field_text: str, lo: int, hi: int, names: dict[str, int]) -> bool:
+    for part in field_text.split(","):
+        match = re.fullmatch(r"(\*|\?|[0-9A-Za-z]+(?:-[0-9A-Za-z]+)?)(?:/(\d+))?", part)
+        if not match or (match.group(2) is not None and int(match.group(2)) < 1):
+            return False
+        if match.group(1) in ("*", "?"):
+            continue
+        bounds = [names.get(x.upper(), int(x) if x.isdigit() else -1) for x in match.group(1).split("-")]
+        if any(not lo <= b <= hi for b in bounds) or bounds != sorted(bounds):
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- pod templates
+
+
+@dataclass
+class PodTemplate:
+    """One pod template found in a manifest, with what is known about its role."""
+
+    where: str
+    spec: dict
+    namespace: str | None
+    ray_group: str | None = None  # "head" or a worker group name; None for non-Ray pods
+    injected: list[dict] = field(default_factory=list)  # containers the operator adds (autoscaler)
+
+
+def pod_templates(obj: dict) -> Iterator[PodTemplate]:
+    """Every pod template inside ``obj`` (Ray clusters, RayJob submitters, CronJobs, workloads)."""
+    kind, where, ns = obj.get("kind"), describe(obj), obj.get("metadata", {}).get("namespace")
+    spec = obj.get("spec", {})
+    if kind == "RayCluster":
+        yield from _ray_cluster_pods(spec, where, ns)
+    elif kind in ("RayJob", "RayCronJob"):
+        job = spec.get("jobTemplate", {}) if kind == "RayCronJob" else spec
+        yield from _ray_job_pods(job, where, ns)
+    elif kind == "CronJob":
+        yield PodTemplate(where, spec["jobTemplate"]["spec"]["template"]["spec"], ns)
+    elif kind in ("Job", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"):
+        yield PodTemplate(where, spec["template"]["spec"], ns)
+    elif kind == "Pod":
+        yield PodTemplate(where, spec, ns)
+
+
+def _ray_job_pods(job: dict, where: str, ns: str | None) -> Iterator[PodTemplate]:
+    if job.get("rayClusterSpec"):
+        yield from _ray_cluster_pods(job["rayClusterSpec"], f"{where}.rayClusterSpec", ns)
+    if job.get("submitterPodTemplate"):
+        yield PodTemplate(f"{where}.submitterPodTemplate", job["submitterPodTemplate"].get("spec", {}), ns)
+
+
+def _ray_cluster_pods(spec: dict, where: str, ns: str | None) -> Iterator[PodTemplate]:
+    head = spec.get("headGroupSpec", {}).get("template", {}).get("spec", {})
+    injected = []
+    if spec.get("enableInTreeAutoscaling"):
+        options = spec.get("autoscalerOptions", {})
+        injected.append({"name": "autoscaler", "image": options.get("image", _first_image(head)),
+                         "resources": options.get("resources", {}),
+                         "securityContext": options.get("securityContext", {})})
+    yield PodTemplate(f"{where}.headGroupSpec", head, ns, "head", injected)
+    for group in spec.get("workerGroupSpecs", []):
+        name = group.get("groupName", "?")
+        yield PodTemplate(f"{where}.workerGroupSpecs[{name}]", group.get("template", {}).get("spec", {}),
+                          ns, name)
+
+
+def _first_image(pod: dict) -> str:
+    containers = pod.get("containers") or [{}]
+    return containers[0].get("image", "")
+
+
+def containers(template: PodTemplate) -> list[dict]:
+    """Init containers, containers and operator-injected containers of a pod template."""
+    pod = template.spec
+    return list(pod.get("initContainers", [])) + list(pod.get("containers", [])) + template.injected
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+CREDENTIAL_NAME = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|KEY_ID|API_KEY|PRIVATE_KEY|CREDENTIAL",
+                             re.IGNORECASE)
+CREDENTIAL_VALUE = re.compile(r"(AKIA|ASIA)[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----"
+                              r"|aws_secret_access_key\s*[:=]\s*[A-Za-z0-9/+=]{20,}")
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def pod_policy_errors(template: PodTemplate) -> list[str]:
+    """Pod Security 'restricted' plus our rules, for one pod template and all its containers."""
+    pod, errors = template.spec, []
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(flag):
+            errors.append(f"{flag} is not allowed")
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            errors.append(f"volume {volume.get('name')}: type {sorted(kinds)} is not allowed")
+    for container in containers(template):
+        errors += [f"container {container.get('name')}: {e}"
+                   for e in container_errors(container, pod.get("securityContext", {}))]
+    errors += gpu_errors(template)
+    return [f"{template.where}: {e}" for e in errors]
+
+
+def container_errors(container: dict, pod_sc: dict) -> list[str]:
+    """Security context, resources, image pin and env rules for one container."""
+    sc = container.get("securityContext", {})
+    effective = {**pod_sc, **sc}
+    checks = [
+        (sc.get("privileged") is not True, "privileged is not allowed"),
+        (sc.get("allowPrivilegeEscalation") is False, "allowPrivilegeEscalation must be false"),
+        ("ALL" in sc.get("capabilities", {}).get("drop", []), "capabilities must drop ALL"),
+        (not sc.get("capabilities", {}).get("add"), "capabilities.add is not allowed"),
+        (effective.get("runAsNonRoot") is True, "runAsNonRoot must be true"),
+        (isinstance(effective.get("runAsUser"), int) and effective["runAsUser"] > 0,
+         "runAsUser must be a non-zero uid"),
+        (effective.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost"),
+         "seccompProfile must be RuntimeDefault or Localhost"),
+        (not any(p.get("hostPort") for p in container.get("ports", [])), "hostPort is not allowed"),
+    ]
+    errors = [msg for ok, msg in checks if not ok] + resource_errors(container.get("resources", {}))
+    return errors + image_errors(container.get("image", "")) + env_errors(container)
+
+
+def resource_errors(resources: dict) -> list[str]:
+    """cpu and memory requests and limits present; every limit >= its request."""
+    errors = []
+    for section in ("requests", "limits"):
+        missing = [r for r in ("cpu", "memory") if r not in resources.get(section, {})]
+        if missing:
+            errors.append(f"resources.{section} lacks {missing}")
+    for name, request in resources.get("requests", {}).items():
+        limit = resources.get("limits", {}).get(name)
+        if limit is not None and parse_quantity(limit) < parse_quantity(request):
+            errors.append(f"resources: limit {name}={limit} is below its request {request}")
+    return errors
+
+
+QUANTITY_SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def parse_quantity(value: str | int | float) -> float:
+    """A Kubernetes resource quantity (``500m``, ``8Gi``, ``2``) as a number."""
+    match = re.fullmatch(r"([0-9.]+(?:[eE][-+]?\d+)?)([a-zA-Z]*)", str(value))
+    if not match or match.group(2) not in QUANTITY_SUFFIX:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}; e.g. 500m, 2, 8Gi")
+    return float(match.group(1)) * QUANTITY_SUFFIX[match.group(2)]
+
+
+def image_errors(image: str) -> list[str]:
+    """An image must name an explicit tag other than latest, or a digest."""
+    if "@sha256:" in image:
+        return []
+    name, _, tag = image.rpartition(":")
+    if not name or "/" in tag:
+        return [f"image {image!r} has no tag; pin a version (or a digest)"]
+    return [f"image {image!r}: tag 'latest' is not pinned"] if tag == "latest" else []
+
+
+def env_errors(container: dict) -> list[str]:
+    """Credentials only by reference: no literal value for a credential-like name or value."""
+    errors = []
+    for env in container.get("env", []):
+        literal = str(env.get("value", ""))
+        if literal and CREDENTIAL_NAME.search(env.get("name", "")):
+            errors.append(f"env {env['name']} has a literal value; use valueFrom.secretKeyRef")
+        if CREDENTIAL_VALUE.search(literal):
+            errors.append(f"env {env.get('name')} holds what looks like a credential")
+    return errors
+
+
+def gpu_errors(template: PodTemplate) -> list[str]:
+    """Ray groups running the GPU image limit nvidia.com/gpu (>= 1, request = limit); others none."""
+    if template.ray_group is None:
+        return []
+    errors = []
+    for container in template.spec.get("containers", []):
+        gpu_image = "gpu" in container.get("image", "").rpartition("/")[2]
+        limit = container.get("resources", {}).get("limits", {}).get(GPU_RESOURCE)
+        request = container.get("resources", {}).get("requests", {}).get(GPU_RESOURCE, limit)
+        if gpu_image and (limit is None or parse_quantity(limit) < 1):
+            errors.append(f"container {container.get('name')}: GPU image without a {GPU_RESOURCE} limit")
+        if limit is not None and request != limit:
+            errors.append(f"container {container.get('name')}: {GPU_RESOURCE} request must equal its limit")
+        if limit is not None and not gpu_image:
+            errors.append(f"container {container.get('name')}: {GPU_RESOURCE} limit on a non-GPU image")
+    return errors
+
+
+# ----------------------------------------------------------------------------- exposure
+
+
+def exposure_errors(objs: list[dict]) -> list[str]:
+    """Anything that publishes a Ray port beyond the cluster, or lets other namespaces reach it."""
+    errors = []
+    for obj in objs:
+        kind, where = obj.get("kind"), describe(obj)
+        if kind == "Service" and obj.get("spec", {}).get("type") in ("LoadBalancer", "NodePort"):
+            errors.append(f"{where}: type {obj['spec']['type']} publishes ports outside the cluster")
+        if kind in ("Ingress", "Gateway", "HTTPRoute", "GRPCRoute", "Route"):
+            errors.append(f"{where}: {kind} objects are not allowed (the dashboard is never published)")
+        for cluster_where, cluster in ray_cluster_specs(obj):
+            errors += [f"{cluster_where}: {e}" for e in _head_service_errors(cluster)]
+    return errors + network_policy_errors(objs)
+
+
+def ray_cluster_specs(obj: dict) -> Iterator[tuple[str, dict]]:
+    """Every RayClusterSpec inside ``obj`` (RayCluster, RayJob, RayCronJob)."""
+    kind, spec, where = obj.get("kind"), obj.get("spec", {}), describe(obj)
+    if kind == "RayCluster":
+        yield where, spec
+    job = spec.get("jobTemplate", {}) if kind == "RayCronJob" else spec if kind == "RayJob" else {}
+    if job.get("rayClusterSpec"):
+        yield f"{where}.rayClusterSpec", job["rayClusterSpec"]
+
+
+def _head_service_errors(cluster: dict) -> list[str]:
+    head = cluster.get("headGroupSpec", {})
+    errors = []
+    if head.get("serviceType", "ClusterIP") != "ClusterIP":
+        errors.append(f"head serviceType {head['serviceType']!r}: only ClusterIP keeps it in the cluster")
+    if head.get("enableIngress"):
+        errors.append("enableIngress publishes the dashboard")
+    if head.get("headService", {}).get("spec", {}).get("type", "ClusterIP") != "ClusterIP":
+        errors.append("headService.spec.type must be ClusterIP")
+    return errors
+
+
+@dataclass(frozen=True)
+class Source:
+    """A client: a pod (namespace + labels) or, with ``namespace=None``, an address outside."""
+
+    namespace: str | None
+    pod_labels: tuple[tuple[str, str], ...] = ()
+    namespace_labels: tuple[tuple[str, str], ...] = ()
+
+
+def selector_matches(selector: dict | None, labels: dict) -> bool:
+    """Kubernetes label selector semantics (matchLabels + matchExpressions; {} matches all)."""
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    ops = {"In": lambda k, vs: labels.get(k) in vs, "NotIn": lambda k, vs: labels.get(k) not in vs,
+           "Exists": lambda k, vs: k in labels, "DoesNotExist": lambda k, vs: k not in labels}
+    expressions = selector.get("matchExpressions", [])
+    return all(ops[e["operator"]](e["key"], e.get("values", [])) for e in expressions)
+
+
+def ingress_allowed(policies: list[dict], namespace: str, pod_labels: dict, source: Source,
+                    port: int) -> bool:
+    """Whether NetworkPolicies admit ``source`` to ``port`` of a pod (Kubernetes semantics)."""
+    selecting = [p for p in policies if p["metadata"].get("namespace") == namespace
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and selector_matches(p["spec"].get("podSelector", {}), pod_labels)]
+    if not selecting:
+        return True
+    return any(_rule_admits(rule, namespace, source, port)
+               for policy in selecting for rule in policy["spec"].get("ingress", []))
+
+
+def _rule_admits(rule: dict, namespace: str, source: Source, port: int) -> bool:
+    ports = rule.get("ports")
+    if ports and not any(_port_matches(p, port) for p in ports):
+        return False
+    peers = rule.get("from")
+    return not peers or any(_peer_admits(peer, namespace, source) for peer in peers)
+
+
+def _port_matches(spec: dict, port: int) -> bool:
+    value = spec.get("port")
+    if value is None or isinstance(value, str):
+        return True  # all ports, or a named port that may name any of the head's ports
+    return value <= port <= spec.get("endPort", value)
+
+
+def _peer_admits(peer: dict, namespace: str, source: Source) -> bool:
+    if "ipBlock" in peer:
+        return source.namespace is None  # an address; precise CIDR matching is not needed here
+    if source.namespace is None:
+        return False
+    ns_labels = {"kubernetes.io/metadata.name": source.namespace, **dict(source.namespace_labels)}
+    if "namespaceSelector" in peer:
+        if not selector_matches(peer["namespaceSelector"], ns_labels):
+            return False
+    elif source.namespace != namespace:
+        return False
+    return selector_matches(peer.get("podSelector", {}), dict(source.pod_labels))
+
+
+OUTSIDE_SOURCES = {
+    "a pod in another namespace": Source("default", (("app", "client"),)),
+    "an address outside the cluster": Source(None),
+    "a pod in the operator namespace that is not the operator": Source(OPERATOR_NAMESPACE, (("app", "x"),)),
+}
+
+
+def network_policy_errors(objs: list[dict]) -> list[str]:
+    """Ray head ports reachable from outside the namespace (only the operator may reach 8265)."""
+    policies = [o for o in objs if o.get("kind") == "NetworkPolicy"]
+    operator = Source(OPERATOR_NAMESPACE, tuple(OPERATOR_LABELS.items()))
+    errors = []
+    for ns in sorted({o["metadata"].get("namespace") for o in objs if list(ray_cluster_specs(o))}):
+        head = {"ray.io/node-type": "head", "ray.io/cluster": "any"}
+        for port in HEAD_PORTS:
+            for what, source in OUTSIDE_SOURCES.items():
+                if ingress_allowed(policies, ns, head, source, port):
+                    errors.append(f"namespace {ns}: {what} can reach the Ray head's port {port}")
+            if port != 8265 and ingress_allowed(policies, ns, head, operator, port):
+                errors.append(f"namespace {ns}: the operator can reach the Ray head's port {port}")
+    return errors
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def reference_errors(objs: list[dict]) -> list[str]:
+    """Names that point at nothing in the rendered set (per namespace)."""
+    have = {(o["kind"], o["metadata"].get("namespace"), o["metadata"].get("name")) for o in objs}
+    errors = []
+    for obj in objs:
+        ns = obj.get("metadata", {}).get("namespace")
+        for kind, name in _references(obj):
+            if (kind, ns, name) not in have:
+                errors.append(f"{describe(obj)}: refers to {kind}/{name}, which is not in namespace {ns}")
+    return errors
+
+
+def _references(obj: dict) -> Iterator[tuple[str, str]]:
+    for template in pod_templates(obj):
+        if template.spec.get("serviceAccountName"):
+            yield "ServiceAccount", template.spec["serviceAccountName"]
+        for volume in template.spec.get("volumes", []):
+            if "configMap" in volume:
+                yield "ConfigMap", volume["configMap"]["name"]
+    if obj.get("kind") == "RoleBinding":
+        yield obj["roleRef"]["kind"], obj["roleRef"]["name"]
+        accounts = [s["name"] for s in obj.get("subjects", []) if s["kind"] == "ServiceAccount"]
+        yield from (("ServiceAccount", name) for name in accounts)
+    if obj.get("kind") in ("RayJob", "RayCronJob"):
+        job = obj["spec"].get("jobTemplate", {}) if obj["kind"] == "RayCronJob" else obj["spec"]
+        if job.get("clusterSelector"):
+            yield "RayCluster", job["clusterSelector"].get("ray.io/cluster", "")
+
+
+def required_secrets(objs: list[dict]) -> set[str]:
+    """Secrets the manifests reference but (by design) never contain: created out of band."""
+    names = set()
+    for obj in objs:
+        for _, cluster in ray_cluster_specs(obj):
+            names.update(filter(None, [cluster.get("authOptions", {}).get("secretName")]))
+        for template in pod_templates(obj):
+            for container in containers(template):
+                names.update(e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e)
+                names.update(e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                             if "secretKeyRef" in e.get("valueFrom", {}))
+    return names
+
+
+def secret_errors(objs: list[dict], text: str) -> list[str]:
+    """No Secret with data in the manifests and nothing that looks like a key in the rendered text."""
+    errors = [f"{describe(o)}: Secrets with data must not live in manifests" for o in objs
+              if o.get("kind") == "Secret" and (o.get("data") or o.get("stringData"))]
+    return errors + [f"credential-like text: {m.group(0)[:12]}..." for m in CREDENTIAL_VALUE.finditer(text)]
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def entrypoints(objs: list[dict]) -> list[tuple[str, str]]:
+    """(where, command) for every RayJob entrypoint, RayCronJob templates included."""
+    found = []
+    for obj in objs:
+        spec = obj.get("spec", {})
+        job = spec.get("jobTemplate", {}) if obj.get("kind") == "RayCronJob" else spec
+        if obj.get("kind") in ("RayJob", "RayCronJob") and job.get("entrypoint"):
+            found.append((describe(obj), job["entrypoint"]))
+    return found
+
+
+def repo_path(image_path: str) -> Path | None:
+    """The repository file behind a path inside the images (``/home/ray/app/X`` -> ``ROOT/X``)."""
+    prefix = IMAGE_APP_DIR + "/"
+    return ROOT / image_path[len(prefix):] if image_path.startswith(prefix) else None
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def check_objects(objs: list[dict], text: str = "") -> list[str]:
+    """Every check above over one rendered set of objects (embedded manifests included)."""
+    everything = objs + embedded_objects(objs)
+    errors = []
+    for obj in everything:
+        errors += schema_errors(obj) + kuberay_errors(obj)
+        for template in pod_templates(obj):
+            errors += pod_policy_errors(template)
+    errors += exposure_errors(everything) + reference_errors(everything)
+    return errors + secret_errors(everything, text or yaml.safe_dump_all(everything))
+
+
+def check_overlay(path: Path) -> list[str]:
+    """Render ``path`` and check it; messages are prefixed with the overlay's name."""
+    objs = render(path)
+    return [f"{path.name}: {e}" for e in check_objects(copy.deepcopy(objs))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the given overlays (default: all); print every problem; 1 if there were any."""
+    paths = [Path(a) for a in (sys.argv[1:] if argv is None else argv)] or overlays()
+    errors = [e for path in paths for e in check_overlay(path)]
+    for error in errors:
+        print(error)
+    print(f"{len(paths)} overlay(s) checked: {len(errors)} problem(s)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
