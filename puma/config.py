@@ -474,3 +474,26 @@ def _merge(dst: dict, src: dict, prefix: str = "") -> None:
 def dump_yaml(cfg: Any) -> str:
     """The resolved config as YAML text (saved beside every artifact)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# Config keys that hold local-or-remote locations; relative local paths are made absolute at the
+# driver, because Ray workers run in other directories.
+PATH_KEYS = ("model.backbone.weights", "data.uri", "data.source_root", "data.fashion_mnist_dir",
+             "data.rejects_uri", "train.storage_path", "index.uri")
+NOT_PATHS = ("", "hub", "none")
+
+
+def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
+    """A copy of ``cfg`` whose relative local paths (see PATH_KEYS) are absolute, from ``base``."""
+    data = to_dict(cfg)
+    root = Path(base or Path.cwd())
+    for key in PATH_KEYS:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part, {})
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str) and value not in NOT_PATHS and "://" not in value \
+                and not Path(value).is_absolute():
+            node[leaf] = str((root / value).resolve())
+    return from_dict(data)

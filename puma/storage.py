@@ -222,3 +222,41 @@ def redact(text: str) -> str:
         if value:
             text = text.replace(value, "***")
     return text
+
+
+def current_config():
+    """The S3 settings in force in this process as a StorageConfig, to hand to Ray tasks and actors."""
+    from puma.config import StorageConfig
+
+    return StorageConfig(endpoint_url=s3_endpoint(), region=s3_region(), retries=_settings.retries)
+
+
+def boto3_client(service: str = "s3"):
+    """A boto3 client for the configured endpoint and region, with standard-mode retries.
+
+    Credentials come from the standard AWS chain (environment, shared files, instance role).
+    """
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    retries = {"max_attempts": _settings.retries + 1, "mode": "standard"}
+    return boto3.client(service, endpoint_url=s3_endpoint() or None, region_name=s3_region(),
+                        config=BotoConfig(retries=retries))
+
+
+def ensure_bucket(uri: str) -> None:
+    """Create the bucket of an s3:// URI if it does not exist (a no-op for local paths)."""
+    if not is_s3(uri):
+        return
+    bucket = uri[len("s3://"):].split("/", 1)[0]
+    client = boto3_client()
+    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    if bucket not in existing:
+        region = s3_region()
+        extra = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+        client.create_bucket(Bucket=bucket, **extra)
+
+
+def absolute(uri: str) -> str:
+    """``uri`` with a local path made absolute, so that other processes (Ray workers) find it."""
+    return str(uri) if is_s3(uri) else resolve(uri)[1]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_images, tiny_model_config
@@ -17,18 +14,6 @@ from puma.optim import build_optimizer
 from puma.train.step import TrainModule, train_step
 
 GLOBAL_BATCH, STEPS, NUM_CLASSES = 8, 3, 4
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    if not ray.is_initialized():
-        tests = os.path.dirname(os.path.abspath(__file__))
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 _temp_dir=str(tmp_path_factory.mktemp("ray")),
-                 runtime_env={"env_vars": {"PYTHONPATH": tests}})
-    yield ray
 
 
 def _module() -> tuple[TrainModule, torch.optim.Optimizer]:
@@ -69,7 +54,7 @@ def _worker(config: dict) -> None:
     ray.train.report({"done": 1})
 
 
-def test_two_workers_match_one_process(ray_session, tmp_path):
+def test_two_workers_match_one_process(ray_cluster, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

@@ -1,1 +1,18 @@
-"""puma.data."""
+"""puma.data: the eight UML datasets (and any class-per-folder catalogue) from release layouts to batches.
+
+Modules, in the order data flows:
+
+- ``schema``: the column, split and role names every stage imports; the Parquet schema.
+- ``layouts`` / ``demo`` / ``sources``: converters from official release layouts (CUB, Cars-196,
+  SOP, In-Shop, NABirds, Stanford Dogs, Flowers-102, FGVC-Aircraft), a class-per-folder layout and
+  Fashion-MNIST IDX files to listings; the presets (``demo``, one per dataset, ``paper``).
+- ``prepare``: listings -> Parquet shards + manifest + prepare rejects on any URI;
+  ``ensure_prepared(cfg)`` builds the configured preset when it is missing.
+- ``manifest`` / ``stats`` / ``rejects``: the manifest, counts and the Table 1 check, reject files.
+- ``splits``: class ranges per split (validation carved from training classes) and the global
+  training label map.
+- ``images``: PIL decoding and the train / eval views (no Ray, no torch).
+- ``pipeline``: the Ray Data streams for training and evaluation (the only module importing Ray).
+
+Importing ``puma.data`` imports none of them.
+"""

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import storage
-from puma.config import Config, to_dict
+from puma.config import Config, absolute_paths, to_dict
 from puma.train.loop import BEST_DIR, train_loop_per_worker
 
 
@@ -56,9 +57,10 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     """The train and evaluation Ray Datasets, and what the workers need to know about labels."""
     from puma.data import pipeline
     from puma.data.prepare import ensure_prepared
+    from puma.data.splits import global_label_map
 
     manifest = ensure_prepared(cfg)
-    label_map = pipeline.global_label_map(manifest)
+    label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
     train = pipeline.train_dataset(cfg, manifest, label_map, mean, std)
     evaluation = pipeline.eval_dataset(cfg, manifest, cfg.train.eval_split, mean, std)
@@ -81,7 +83,9 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
 
     ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial.
     """
+    cfg = absolute_paths(cfg)
     storage.configure(cfg.storage)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
     datasets, info = build_datasets(cfg)
     uri = run_uri(cfg)
     trainer = TorchTrainer(

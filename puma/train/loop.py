@@ -90,9 +90,9 @@ def _maybe_resume(module: TrainModule, scheduler) -> tuple[RunState, dict | None
     return state, ckpt.optimizer
 
 
-def _batches(split: str, batch_size: int, drop_last: bool):
+def _batches(split: str, batch_size: int, drop_last: bool, **options):
     shard = ray.train.get_dataset_shard(split)
-    return shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=drop_last)
+    return shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=drop_last, **options)
 
 
 def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, state: RunState) -> dict:
@@ -101,7 +101,9 @@ def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, sta
     per_worker = max(1, cfg.train.batch_size // world)
     module.train()
     losses, seen, start = [], 0, time.perf_counter()
-    for i, batch in enumerate(_batches("train", per_worker, drop_last=True)):
+    from puma.data.pipeline import iter_options
+
+    for i, batch in enumerate(_batches("train", per_worker, drop_last=True, **iter_options(cfg, epoch))):
         if cfg.train.max_steps_per_epoch is not None and i >= cfg.train.max_steps_per_epoch:
             break
         images = torch.as_tensor(batch["image"], device=device)  # (B, 3, H, W)

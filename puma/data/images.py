@@ -1,0 +1,171 @@
+"""Decode encoded image bytes with PIL and apply the paper's train / eval views (no Ray, no torch).
+
+- decode: any PIL-readable format; CMYK, palette, grayscale, LA/RGBA (composited on white) and
+  16-bit images are converted to RGB; EXIF orientation is applied. Unreadable data raises
+  ``ImageRejected`` with a reason from ``puma.data.rejects.DECODE_REASONS``.
+- train view: RandomResizedCrop(img_size, scale 0.2-1, ratio 3/4-4/3, bicubic) + horizontal flip
+  with probability 0.5 (torchvision's sampling algorithm).
+- eval view: resize the shorter side to int(img_size * 256 / 224), center crop img_size, bicubic.
+  Both views crop and resize in one resampling step (``Image.resize(box=...)``).
+- normalise with the backbone's mean / std -> float32 (3, H, W).
+
+Large JPEGs are decoded at a reduced DCT scale (``Image.draft``) that still leaves at least the
+resolution the view needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import re
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is a reject, never a grey-padded image
+TRAIN_SCALE = (0.2, 1.0)
+TRAIN_RATIO = (3 / 4, 4 / 3)
+ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+class ImageRejected(ValueError):
+    """An image that cannot be used; ``reason`` is one of puma.data.rejects.DECODE_REASONS."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """How to turn bytes into a model input."""
+
+    img_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    train: bool
+    min_size: int = 16
+    seed: int = 0
+
+
+def eval_resize_size(img_size: int) -> int:
+    """Shorter side before the eval center crop (256 for 224)."""
+    return int(img_size * 256 / 224)
+
+
+def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> Image.Image:
+    """RGB image from encoded bytes; raises ImageRejected (corrupt, truncated, tiny, too_large)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(io.BytesIO(data))
+            if min(img.size) < min_size:
+                raise ImageRejected("tiny", f"{img.size[0]}x{img.size[1]} < {min_size} px")
+            if draft_side and img.format == "JPEG":
+                img.draft(None, (draft_side, draft_side))
+            img.load()
+            return to_rgb(ImageOps.exif_transpose(img))
+    except ImageRejected:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageRejected("too_large", str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - untrusted bytes: every decoder failure is a reject
+        text = re.sub(r" <[^>]* at 0x[0-9a-f]+>", "", f"{type(exc).__name__}: {exc}")  # no addresses
+        truncated = isinstance(exc, EOFError) or "truncat" in str(exc).lower()
+        raise ImageRejected("truncated" if truncated else "corrupt", text) from exc
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode -> RGB (alpha composited on white, 16/32-bit scaled to 8-bit)."""
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode.startswith("I") or img.mode == "F":
+        img = _to_8bit(img)
+    if img.mode in ALPHA_MODES:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16/32-bit integer or float grayscale -> 8-bit, scaled by the type's range."""
+    array = np.asarray(img, dtype=np.float64)
+    peak = float(array.max(initial=0))
+    if img.mode == "F":
+        top = max(peak, 1e-12)
+    elif img.mode.startswith("I;16") or 255 < peak <= 65535:
+        top = 65535.0
+    else:
+        top = max(peak, 255.0)
+    return Image.fromarray(np.clip(array / top * 255.0 + 0.5, 0, 255).astype(np.uint8), mode="L")
+
+
+def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
+                            scale: tuple[float, float] = TRAIN_SCALE,
+                            ratio: tuple[float, float] = TRAIN_RATIO) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) as torchvision's RandomResizedCrop.get_params samples it."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(rng.integers(0, width - w + 1))
+            top = int(rng.integers(0, height - h + 1))
+            return left, top, left + w, top + h
+    in_ratio = width / height  # fallback: central crop clipped to the ratio range
+    w, h = (width, int(round(width / ratio[0]))) if in_ratio < ratio[0] else \
+        (int(round(height * ratio[1])), height) if in_ratio > ratio[1] else (width, height)
+    w, h = min(w, width), min(h, height)
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
+
+
+def train_view(img: Image.Image, img_size: int, rng: np.random.Generator) -> Image.Image:
+    """RandomResizedCrop(img_size, scale 0.2-1, bicubic) then a horizontal flip with p = 0.5."""
+    box = random_resized_crop_box(img.width, img.height, rng)
+    out = img.resize((img_size, img_size), Image.Resampling.BICUBIC, box=box)
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else out
+
+
+def eval_view(img: Image.Image, img_size: int) -> Image.Image:
+    """Resize the shorter side to eval_resize_size(img_size), center crop img_size (one resample)."""
+    factor = eval_resize_size(img_size) / min(img.width, img.height)
+    resized_w, resized_h = int(round(img.width * factor)), int(round(img.height * factor))
+    left = int(round((resized_w - img_size) / 2.0)) / factor
+    top = int(round((resized_h - img_size) / 2.0)) / factor
+    box = (left, top, left + img_size / factor, top + img_size / factor)
+    return img.resize((img_size, img_size), Image.Resampling.BICUBIC, box=box)
+
+
+def normalise(img: Image.Image, mean, std) -> np.ndarray:
+    """(H, W, 3) uint8 -> float32 (3, H, W), (x / 255 - mean) / std."""
+    array = np.asarray(img, dtype=np.float32) / 255.0  # (H, W, 3)
+    array = (array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(array.transpose(2, 0, 1))  # (3, H, W)
+
+
+def item_rng(seed: int, epoch: int, item_id: str) -> np.random.Generator:
+    """The augmentation RNG of one item in one epoch: reproducible, independent of batching and retries."""
+    key = int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng([seed, epoch, key])
+
+
+def make_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Encoded bytes -> normalised float32 (3, img_size, img_size); raises ImageRejected."""
+    draft = math.ceil(spec.img_size * 2.6) if spec.train else eval_resize_size(spec.img_size)
+    img = decode_image(data, spec.min_size, draft_side=draft)
+    if spec.train:
+        view = train_view(img, spec.img_size, rng if rng is not None else np.random.default_rng())
+    else:
+        view = eval_view(img, spec.img_size)
+    return normalise(view, spec.mean, spec.std)

@@ -1,0 +1,70 @@
+"""Rejected images: one JSON object per line, sorted by item id, never silently dropped.
+
+Reasons, by the stage that finds them:
+
+- prepare (``<data.uri>/rejects/prepare.jsonl``): ``missing_file`` (listed by the release but
+  absent), ``empty_file`` (zero bytes).
+- decode (the pipeline's rejects file, ``data.rejects_uri``): ``corrupt`` (not a readable image),
+  ``truncated`` (the encoded data ends early), ``tiny`` (shorter side below
+  ``data.min_image_size``), ``too_large`` (a decompression bomb by PIL's limit).
+
+CMYK, palette, grayscale, 16-bit and alpha images are not rejects: they are converted to RGB.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from puma import storage
+
+PREPARE_REASONS = ("missing_file", "empty_file")
+DECODE_REASONS = ("corrupt", "truncated", "tiny", "too_large")
+
+
+@dataclass(frozen=True)
+class Reject:
+    """One rejected image and why."""
+
+    item_id: str
+    dataset: str
+    reason: str
+    stage: str  # prepare | decode
+    source_path: str = ""
+    split: str = ""
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def dumps(rejects: Iterable[Reject | dict]) -> str:
+    """JSONL text, one reject per item id (the first seen wins), sorted by item id."""
+    rows: dict[str, dict] = {}
+    for r in rejects:
+        row = r.to_dict() if isinstance(r, Reject) else dict(r)
+        rows.setdefault(row["item_id"], row)
+    return "".join(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows))
+
+
+def write_rejects(uri: str, rejects: Iterable[Reject | dict]) -> bool:
+    """Write the rejects file unless it already holds exactly this text; True if written."""
+    text = dumps(rejects)
+    if storage.exists(uri) and storage.read_text(uri) == text:
+        return False
+    storage.write_text(uri, text)
+    return True
+
+
+def read_rejects(uri: str) -> list[dict]:
+    """The rows of a rejects file ([] when it does not exist)."""
+    if not storage.exists(uri):
+        return []
+    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+
+
+def reject_counts(rows: Iterable[dict]) -> dict[str, int]:
+    """Rejects per reason."""
+    return dict(sorted(Counter(r["reason"] for r in rows).items()))

@@ -1,0 +1,185 @@
+"""Prepare: Parquet shards + manifest, checksums, prepare-time rejects, idempotent re-runs, demo preset."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from puma.config import load_config
+from puma.data import schema
+from puma.data.manifest import DataNotPreparedError, load_manifest, verify_shards
+from puma.data.prepare import ensure_prepared, prepare
+from puma.data.rejects import read_rejects
+from puma.data.sources import SourceSpec
+from puma.data.splits import global_label_map, label_range, load_label_map, num_val_classes, save_label_map
+
+REPO = Path(__file__).resolve().parents[1]
+CUB_SAMPLE = REPO.parent / "shared" / "data" / "cub200-subset" / "CUB_200_2011"
+sys.path.insert(0, str(REPO / "jobs"))
+import prepare_data  # noqa: E402
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def two_sources(tmp_path, cub_tree, image_bytes):
+    """A CUB-layout tree (6 classes x 3, one listed image missing) and a class-per-folder tree."""
+    cub_tree(tmp_path / "cub", num_classes=6, per_class=3, missing=("gone",))
+    for c in range(4):
+        for i in range(2):
+            path = tmp_path / "shop" / f"class_{c}" / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(image_bytes(fmt="PNG", seed=100 + 10 * c + i))
+    return [SourceSpec("cub", "cub", str(tmp_path / "cub")),
+            SourceSpec("folder", "shop", str(tmp_path / "shop"))]
+
+
+def test_prepare_writes_shards_manifest_and_rejects(tmp_path, two_sources):
+    out = tmp_path / "prepared"
+    report = prepare(two_sources, str(out), shard_rows=5, log=_quiet)
+    m = report.manifest
+    assert m.data["schema_version"] == schema.SCHEMA_VERSION
+    assert m.data["totals"] == {"train": 9 + 4, "test": 9 + 4, "rows": 26}  # 19 listed cub images, 1 missing
+    assert m.datasets["cub"]["counts"]["test"] == {"images": 9, "classes": 3}
+    assert m.datasets["shop"]["num_train_classes"] == 2 and m.datasets["shop"]["classes"][0] == "class_0"
+    assert read_rejects(m.rejects_uri) == [{
+        "item_id": "cub/images/006.Class_6/gone.jpg", "dataset": "cub", "reason": "missing_file",
+        "stage": "prepare", "source_path": str(tmp_path / "cub" / "images" / "006.Class_6" / "gone.jpg"),
+        "split": "test", "detail": ""}]
+    assert m.data["rejects"]["by_reason"] == {"missing_file": 1}
+    rows, mixed = [], False
+    for shard in m.data["shards"]:
+        table = pq.read_table(out / shard["path"])
+        schema.check_schema(table.schema, shard["path"])
+        assert len(table) == shard["rows"] <= 5 and set(table.column("split").to_pylist()) == {shard["split"]}
+        mixed |= len(set(table.column("dataset").to_pylist())) > 1
+        rows += table.to_pylist()
+    assert mixed, "rows are hash-ordered, so shards mix datasets"
+    assert len({r["item_id"] for r in rows}) == 26
+    original = (tmp_path / "cub" / "images" / "001.Class_1" / "img_0.jpg").read_bytes()
+    assert next(r for r in rows if r["item_id"] == "cub/images/001.Class_1/img_0.jpg")["image"] == original
+    assert verify_shards(m) == []
+
+
+def test_prepare_is_idempotent_and_replaces_stale_shards(tmp_path, two_sources, image_bytes):
+    out = tmp_path / "prepared"
+    first = prepare(two_sources, str(out), shard_rows=5, log=_quiet)
+    before = _files(out)
+    again = prepare(two_sources, str(out), shard_rows=5, log=_quiet)
+    assert again.written == [] and not again.manifest_changed and again.deleted == []
+    assert _files(out) == before  # nothing rewritten
+    assert again.manifest.data == first.manifest.data
+    extra = tmp_path / "shop" / "class_3" / "new.png"
+    extra.write_bytes(image_bytes(fmt="PNG", seed=999))
+    changed = prepare(two_sources, str(out), shard_rows=5, log=_quiet)
+    assert changed.manifest_changed and changed.written and changed.deleted
+    assert changed.manifest.data["totals"]["rows"] == 27
+    on_disk = sorted(str(p.relative_to(out)) for p in out.rglob("*.parquet"))
+    assert on_disk == sorted(s["path"] for s in changed.manifest.data["shards"])
+    assert verify_shards(changed.manifest) == []
+
+
+def test_verify_detects_a_damaged_shard(tmp_path, two_sources):
+    m = prepare(two_sources, str(tmp_path / "p"), shard_rows=50, log=_quiet).manifest
+    path = tmp_path / "p" / m.data["shards"][0]["path"]
+    path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
+    assert verify_shards(m) == [f"{path}: checksum differs from the manifest"]
+    os.remove(path)
+    assert verify_shards(load_manifest(str(tmp_path / "p"))) == [f"{path}: missing"]
+
+
+def test_real_cub_sample_prepares_with_a_class_disjoint_split(tmp_path):
+    m = prepare([SourceSpec("cub", "cub", str(CUB_SAMPLE))], str(tmp_path / "cub"), log=_quiet).manifest
+    cub = m.datasets["cub"]
+    assert m.data["totals"] == {"train": 2949, "test": 2953, "rows": 5902}
+    assert cub["counts"]["train"]["classes"] == 50 and cub["counts"]["test"]["classes"] == 50
+    labels = {split: set() for split in ("train", "test")}
+    for shard in m.data["shards"]:
+        table = pq.read_table(tmp_path / "cub" / shard["path"], columns=["label", "split"])
+        for label, split in zip(table["label"].to_pylist(), table["split"].to_pylist(), strict=True):
+            labels[split].add(label)
+    assert labels == {"train": set(range(50)), "test": set(range(50, 100))}
+    assert cub["paper_check"]["status"] == "not_compared"
+
+
+def test_label_map_and_validation_classes(tmp_path, two_sources):
+    m = prepare(two_sources, str(tmp_path / "p"), shard_rows=50, log=_quiet).manifest
+    full = global_label_map(m)
+    assert list(full.values()) == list(range(5)) and list(full) == [("cub", 0), ("cub", 1), ("cub", 2),
+                                                                    ("shop", 0), ("shop", 1)]
+    held = global_label_map(m, val_fraction=0.34)  # cub: 3 train classes -> 1 val; shop: 2 -> 1 val
+    assert list(held) == [("cub", 0), ("cub", 1), ("shop", 0)]
+    assert label_range(m, "cub", "val", 0.34) == range(2, 3) and label_range(m, "cub", "test") == range(3, 6)
+    assert list(global_label_map(m, datasets=["shop"])) == [("shop", 0), ("shop", 1)]
+    with pytest.raises(ValueError, match="not in"):
+        global_label_map(m, datasets=["nope"])
+    assert [num_val_classes(n, 0.2) for n in (1, 2, 10, 50)] == [0, 1, 2, 10]
+    save_label_map(held, str(tmp_path / "labels.json"))
+    assert load_label_map(str(tmp_path / "labels.json")) == held
+
+
+def test_ensure_prepared_builds_the_demo_once(tmp_path):
+    source = f"data.source_root={REPO.parent / 'shared' / 'data'}"
+    cfg = load_config(None, [f"data.uri={tmp_path / 'demo'}", "data.max_images_per_class=2",
+                             "data.fashion_mnist_per_class=3", source])
+    m = ensure_prepared(cfg)
+    assert sorted(m.datasets) == ["cub", "fashion_mnist", "flowers", "omniglot"]
+    sizes = {name: info["counts"]["train"]["images"] + info["counts"]["test"]["images"]
+             for name, info in m.datasets.items()}
+    assert sizes == {"cub": 200, "fashion_mnist": 30, "flowers": 24, "omniglot": 484}
+    assert m.datasets["omniglot"]["num_classes"] == 242 and m.datasets["omniglot"]["num_train_classes"] == 121
+    before = _files(tmp_path / "demo")
+    assert ensure_prepared(cfg).data == m.data and _files(tmp_path / "demo") == before  # no re-prepare
+    bigger = load_config(None, [f"data.uri={tmp_path / 'demo'}", "data.max_images_per_class=3",
+                                "data.fashion_mnist_per_class=3", source])
+    rebuilt = ensure_prepared(bigger)  # same preset, another spec: rebuilt
+    assert rebuilt.datasets["cub"]["counts"]["train"]["images"] == 150
+
+
+def test_ensure_prepared_uses_foreign_data_and_explains_missing_data(tmp_path, two_sources):
+    prepare(two_sources, str(tmp_path / "mine"), preset="folder", log=_quiet)
+    demo_cfg = load_config(None, [f"data.uri={tmp_path / 'mine'}"])  # preset demo, but data made by hand
+    assert sorted(ensure_prepared(demo_cfg).datasets) == ["cub", "shop"]
+    cub_cfg = load_config(None, [f"data.uri={tmp_path / 'cub-prepared'}", "data.preset=cub",
+                                 f"data.source_root={tmp_path / 'cub'}"])  # a named preset reads source_root
+    assert ensure_prepared(cub_cfg).data["totals"]["rows"] == 18
+    with pytest.raises(DataNotPreparedError, match="jobs/prepare_data.py"):
+        ensure_prepared(load_config(None, [f"data.uri={tmp_path / 'none'}", "data.preset="]))
+
+
+def test_prepare_data_job(tmp_path, cub_tree, capsys):
+    cub_tree(tmp_path / "CUB_200_2011", num_classes=4, per_class=2)
+    out = tmp_path / "out"
+    argv = ["--preset", "cub", "--source", str(tmp_path / "CUB_200_2011"), "--out", str(out), "--verify"]
+    assert prepare_data.main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"manifest: {out / 'manifest.json'}" in text and "all shards match" in text
+    assert "cub" in text and "(not a full release)" in text
+    assert json.loads((out / "manifest.json").read_text())["totals"]["rows"] == 8
+    assert prepare_data.main(["--preset", "cub", "--out", str(out)]) == 2  # no --source
+    assert "needs --source" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main(["--help"])
+    assert exit_.value.code == 0
+
+
+def test_shards_close_at_the_byte_budget(tmp_path, two_sources, monkeypatch):
+    import puma.data.prepare as prep
+
+    monkeypatch.setattr(prep, "SHARD_MAX_BYTES", 3000)  # about three of the fixture's images
+    m = prepare(two_sources, str(tmp_path / "p"), shard_rows=100, log=_quiet).manifest
+    assert len(m.data["shards"]) > 2 and sum(s["rows"] for s in m.data["shards"]) == 26
+    for shard in m.data["shards"]:
+        images = pq.read_table(tmp_path / "p" / shard["path"], columns=["image"])["image"].to_pylist()
+        assert len(images) == 1 or sum(map(len, images)) <= 3000  # a lone oversized image is its own shard
