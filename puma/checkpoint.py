@@ -133,10 +133,45 @@ def load_trainable(model: torch.nn.Module, weights: dict[str, torch.Tensor], sou
     model.load_state_dict(weights, strict=False)
 
 
-def load_model(uri: str, backbone_weights: str | None = None) -> tuple[torch.nn.Module, Config]:
+PROBE_SEED, PROBE_BATCH = 1234, 2
+
+
+def probe_images(img_size: int) -> torch.Tensor:
+    """A fixed batch (2, 3, H, W) whose embeddings are stored with a checkpoint as its fingerprint."""
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randn(PROBE_BATCH, 3, img_size, img_size, generator=gen)
+
+
+@torch.no_grad()
+def probe_embeddings(model: torch.nn.Module, img_size: int) -> list[list[float]]:
+    """The eval-mode embeddings of :func:`probe_images` (restores the model's train/eval mode)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = model(probe_images(img_size).to(device)).float().cpu()
+    model.train(was_training)
+    return out.tolist()
+
+
+def verify_probe(model: torch.nn.Module, meta: dict, img_size: int, source: str, atol: float = 1e-4) -> None:
+    """Check that a reloaded model reproduces the embeddings stored at save time."""
+    if "probe" not in meta:
+        return
+    expected = torch.tensor(meta["probe"])
+    actual = torch.tensor(probe_embeddings(model, img_size))
+    diff = float((expected - actual).abs().max())
+    if diff > atol:
+        raise CheckpointError(f"checkpoint {source} does not reproduce its embeddings (max diff {diff:.2e} > "
+                              f"{atol:.0e}): the frozen backbone weights "
+                              f"({meta.get('backbone_weights', '?')}) differ from the ones it was trained on")
+
+
+def load_model(uri: str, backbone_weights: str | None = None,
+               verify: bool = True) -> tuple[torch.nn.Module, Config]:
     """Rebuild the model from a checkpoint's config and load its trainable weights (eval mode).
 
-    ``backbone_weights`` overrides where the frozen backbone comes from (e.g. a local copy).
+    ``backbone_weights`` overrides where the frozen backbone comes from (e.g. a local copy); with
+    ``verify`` the model must reproduce the probe embeddings saved with the checkpoint.
     """
     from puma.models import build_model
 
@@ -146,4 +181,6 @@ def load_model(uri: str, backbone_weights: str | None = None) -> tuple[torch.nn.
     model = build_model(state.config.model)
     load_trainable(model, state.model, source=uri)
     model.eval()
+    if verify:
+        verify_probe(model, state.meta, state.config.model.backbone.img_size, uri)
     return model, state.config

@@ -314,6 +314,45 @@ class IndexConfig:
         _check(self.query_chunk >= 1, "index.query_chunk must be >= 1")
 
 
+# ----------------------------------------------------------------------------- sweep
+
+
+@dataclass
+class SweepConfig:
+    """Ray Tune sweep (tune/sweep.py): Optuna TPE search, ASHA early stopping, per-trial resources.
+
+    Trials train on the training classes minus ``val_fraction`` of them and are scored on those
+    held-out classes (``train.eval_split=val``); the test split is never used for selection.
+    """
+
+    name: str = "sweep"  # the sweep lives at <storage_path>/<name>; re-running the same name resumes it
+    storage_path: str = "artifacts/sweeps"  # local path or s3:// (a cluster needs shared storage)
+    space_file: str = ""  # search-space YAML of dotted config keys; '' = tune/search_space.yaml
+    num_samples: int = 8  # trials
+    max_concurrent_trials: int = 1
+    metric: str = "harmonic/r@1"  # the objective, a validation metric reported every epoch
+    mode: str = "max"  # max | min
+    seed: int = 0  # Optuna TPE sampler seed
+    grace_period: int = 1  # ASHA: epochs every trial runs before it may be stopped
+    reduction_factor: int = 2  # ASHA: keep the top 1/reduction_factor at each rung
+    cpus_per_trial: float = 0.25  # the trial's driver function; its trainer workers take train.cpus_per_worker
+    val_fraction: float = 0.2  # training classes held out for the objective (data.val_fraction in trials)
+    resume: bool = True  # an existing sweep of the same name: resume it (false: refuse to touch it)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and "/" not in self.name, f"sweep.name={self.name!r} must be a non-empty "
+                                                         "folder name without '/'")
+        _check(self.num_samples >= 1, f"sweep.num_samples={self.num_samples!r} must be >= 1")
+        _check(self.max_concurrent_trials >= 1, "sweep.max_concurrent_trials must be >= 1")
+        _check(bool(self.metric), "sweep.metric must name a reported metric, e.g. harmonic/r@1")
+        _check_choice("sweep.mode", self.mode, ("max", "min"))
+        _check(self.grace_period >= 1, f"sweep.grace_period={self.grace_period!r} must be >= 1 epoch")
+        _check(self.reduction_factor >= 2, f"sweep.reduction_factor={self.reduction_factor!r} must be >= 2")
+        _check(self.cpus_per_trial > 0, f"sweep.cpus_per_trial={self.cpus_per_trial!r} must be > 0")
+        _check(0.0 < self.val_fraction <= 0.9,
+               f"sweep.val_fraction={self.val_fraction!r} is out of range; valid: 0 < val_fraction <= 0.9")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -324,6 +363,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 # ----------------------------------------------------------------------------- machinery
@@ -462,9 +502,10 @@ def _read_yaml(path: str | Path) -> dict:
 
 
 def _merge(dst: dict, src: dict, prefix: str = "") -> None:
+    leaves = valid_keys()
     for key, value in src.items():
         full = _join(prefix, key)
-        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+        if isinstance(value, dict) and isinstance(dst.get(key), dict) and full not in leaves:
             _merge(dst[key], value, full)
         else:
             _check(key in dst, f"unknown config key {full!r}; valid keys: {sorted(dst)}")
@@ -479,7 +520,8 @@ def dump_yaml(cfg: Any) -> str:
 # Config keys that hold local-or-remote locations; relative local paths are made absolute at the
 # driver, because Ray workers run in other directories.
 PATH_KEYS = ("model.backbone.weights", "data.uri", "data.source_root", "data.fashion_mnist_dir",
-             "data.rejects_uri", "train.storage_path", "index.uri")
+             "data.rejects_uri", "train.storage_path", "index.uri",
+             "sweep.storage_path", "sweep.space_file")
 NOT_PATHS = ("", "hub", "none")
 
 

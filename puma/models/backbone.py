@@ -35,6 +35,7 @@ OFFLINE_HINT = ("offline, set model.backbone.weights to a .safetensors/.pth/.npz
 # DINOv2 resamples its 37x37 grid without antialiasing when it runs at 224 px; do the same.
 POS_EMBED_INTERPOLATION = "bicubic"
 POS_EMBED_ANTIALIAS = False
+RANDOM_INIT_SEED = 0  # a frozen random backbone (weights "none") is reproducible, so are its checkpoints
 _RESERVED_KWARGS = ("pretrained", "num_classes", "img_size")
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
@@ -49,7 +50,9 @@ def create_backbone(cfg: BackboneConfig) -> VisionTransformer:
     if bad:
         raise ConfigError(f"model.backbone.model_kwargs may not set {bad}; use model.backbone.img_size / "
                           "model.backbone.weights instead")
-    vit = _create(cfg, pretrained=cfg.weights == "hub")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_INIT_SEED)  # weights "none": the same random backbone every time
+        vit = _create(cfg, pretrained=cfg.weights == "hub")
     if cfg.weights not in ("hub", "none"):
         load_backbone_weights(vit, cfg.weights)
     return vit

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from puma import storage
-from puma.checkpoint import CheckpointState, load_trainable, read_checkpoint, save_checkpoint
+from puma.checkpoint import (
+    CheckpointState,
+    load_trainable,
+    probe_embeddings,
+    read_checkpoint,
+    save_checkpoint,
+)
 from puma.config import Config, from_dict, to_dict
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
@@ -178,7 +184,9 @@ def _report(cfg: Config, module, optimizer, scheduler, state: RunState, metrics:
         config=from_dict(loop_config["config"]), model=trainable_state_dict(inner.model),
         loss=inner.loss.state_dict(), optimizer=optimizer.state_dict(),
         meta={"epoch": state.epoch, "metrics": metrics, "label_map": loop_config["label_map"],
-              "scheduler": scheduler.state_dict(), "run_state": state.__dict__})
+              "scheduler": scheduler.state_dict(), "run_state": state.__dict__,
+              "backbone_weights": cfg.model.backbone.weights,
+              "probe": probe_embeddings(inner.model, cfg.model.backbone.img_size)})
     _write_tensorboard(loop_config, metrics, state.epoch)
     if improved:
         best = dict(ckpt.__dict__, optimizer=None)
