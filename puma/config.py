@@ -335,7 +335,7 @@ class SweepConfig:
     seed: int = 0  # Optuna TPE sampler seed
     grace_period: int = 1  # ASHA: epochs every trial runs before it may be stopped
     reduction_factor: int = 2  # ASHA: keep the top 1/reduction_factor at each rung
-    cpus_per_trial: float = 0.25  # the trial's driver function; its trainer workers take train.cpus_per_worker
+    cpus_per_trial: float = 0.25  # the trial's driver function (its workers take train.cpus_per_worker)
     val_fraction: float = 0.2  # training classes held out for the objective (data.val_fraction in trials)
     resume: bool = True  # an existing sweep of the same name: resume it (false: refuse to touch it)
 
