@@ -42,6 +42,7 @@ class RunState:
     epoch: int = 0  # epochs completed
     step: int = 0
     best_value: float = float("-inf")
+    resumes: int = 0  # how often this run restarted from a checkpoint (driver re-run or lost worker)
     before: dict[str, float] = field(default_factory=dict)  # zero-shot metrics (frozen backbone)
     history: list[dict[str, float]] = field(default_factory=list)
 
@@ -92,6 +93,7 @@ def _maybe_resume(module: TrainModule, scheduler) -> tuple[RunState, dict | None
     module.loss.load_state_dict(ckpt.loss)
     scheduler.load_state_dict(ckpt.meta["scheduler"])
     state = RunState(**ckpt.meta["run_state"])
+    state.resumes += 1
     _log(f"resumed from {checkpoint.path} after epoch {state.epoch} (step {state.step})")
     return state, ckpt.optimizer
 
