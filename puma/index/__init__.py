@@ -1,1 +1,27 @@
-"""puma.index."""
+"""Sharded FAISS indexes: build once-trained shards with a manifest, extend, verify, search.
+
+An index is a folder (local path or s3://) of shards plus ``manifest.json``; see
+``puma.index.manifest`` for the layout and ``puma.index.plan`` for how the type is chosen.
+Importing this package imports faiss, numpy and pyarrow, never Ray or torch.
+"""
+
+from puma.index.build import (
+    AddReport,
+    add_items,
+    add_shard,
+    build_index,
+    check_compatible,
+    clean_orphans,
+    create_index,
+    indexed_item_ids,
+    rebuild,
+)
+from puma.index.manifest import IndexIntegrityError, Manifest, ShardEntry, read_manifest
+from puma.index.plan import IndexInputError, IndexPlan, estimate_memory_bytes, plan_index
+from puma.index.search import ShardedIndex, merge_topk
+from puma.index.verify import VerifyReport, verify
+
+__all__ = ["AddReport", "IndexInputError", "IndexIntegrityError", "IndexPlan", "Manifest", "ShardEntry",
+           "ShardedIndex", "VerifyReport", "add_items", "add_shard", "build_index", "check_compatible",
+           "clean_orphans", "create_index", "estimate_memory_bytes", "indexed_item_ids", "merge_topk",
+           "plan_index", "read_manifest", "rebuild", "verify"]

@@ -1,0 +1,51 @@
+"""Search a sharded FAISS index: `python jobs/search.py (--queries FILE | --item-id ID ...) [key=value ...]`.
+
+Queries are stored vectors (.npy (Q, E) or an embeddings Parquet) or item ids already in the index;
+every shard is searched and the top-k merged. Results (query, rank, item_id, score) go to a Parquet
+file. Example: `python jobs/search.py --item-id cub/0001 --k 5 index.uri=artifacts/index/demo`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from puma.cli import job_parser, parse_job_args  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, search, print the top results and where they went."""
+    parser = job_parser(__doc__.splitlines()[0])
+    parser.add_argument("--queries", default="", help="query vectors: .npy (Q, E) or embeddings Parquet")
+    parser.add_argument("--item-id", action="append", default=[], help="an indexed item id (repeatable)")
+    parser.add_argument("--k", type=int, default=10, help="neighbours per query (default 10)")
+    parser.add_argument("--out", default="", help="results Parquet URI (default artifacts/search/...)")
+    parser.add_argument("--include-self", action="store_true", help="keep an item id query in its results")
+    parser.add_argument("--verify", action="store_true", help="verify checksums and counts first")
+    args, cfg = parse_job_args(parser, argv)
+    if cfg is None:
+        return 0
+    from puma import storage
+    from puma.index import verify
+    from puma.index.run import run_search
+
+    storage.configure(cfg.storage)
+    try:
+        if args.verify:
+            report = verify(cfg.index.uri).raise_if_bad()
+            print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
+                  f"{report.files_checked} files")
+        outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self)
+    except ValueError as exc:  # IndexInputError / IndexIntegrityError: say what is wrong, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(outcome.results.slice(0, min(len(outcome.results), 3 * args.k)).to_pandas().to_string(index=False))
+    print(f"[puma] searched {outcome.index_items} items, {outcome.index_shards} shard(s): {cfg.index.uri}")
+    print(f"[puma] results: {outcome.out_uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

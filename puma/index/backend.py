@@ -1,0 +1,96 @@
+"""The FAISS calls in one place: build, train (GPU k-means when FAISS sees GPUs), (de)serialise, tune.
+
+Only this module and ``search.py`` import faiss. GPUs are used when ``use_gpu`` is set and
+``faiss.get_num_gpus() > 0`` (a faiss-gpu build on a GPU machine); otherwise everything runs on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import faiss
+import numpy as np
+
+from puma.index.plan import PQ_CENTROIDS, IndexInputError, IndexPlan
+
+log = logging.getLogger(__name__)
+GPU_MAX_K = 2048  # FAISS GPU k-selection limit
+METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+
+
+def gpus_available(use_gpu: bool) -> bool:
+    """True when GPUs are wanted and FAISS sees at least one."""
+    return bool(use_gpu) and faiss.get_num_gpus() > 0
+
+
+def new_index(plan: IndexPlan) -> faiss.Index:
+    """An empty CPU index from the plan's factory string and metric."""
+    return faiss.index_factory(plan.dim, plan.factory, METRICS[plan.metric])
+
+
+def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
+    """The IVF part of an index, or None for flat indexes."""
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None
+
+
+def train_index(index: faiss.Index, x: np.ndarray, use_gpu: bool) -> faiss.Index:
+    """Train ``index`` on x (n, E); the coarse k-means runs on all GPUs when available."""
+    ivf = ivf_of(index)
+    if ivf is None:
+        return index  # flat: nothing to learn
+    _check_train_size(ivf, len(x))
+    gpu_flat = None
+    if gpus_available(use_gpu):  # k-means assignment on all GPUs; the reference keeps it alive
+        gpu_flat = faiss.index_cpu_to_all_gpus(faiss.IndexFlat(ivf.d, ivf.metric_type))
+        ivf.clustering_index = gpu_flat
+    index.train(x)
+    ivf.clustering_index = None
+    del gpu_flat
+    return index
+
+
+def _check_train_size(ivf: faiss.IndexIVF, n: int) -> None:
+    need = max(ivf.nlist, PQ_CENTROIDS if isinstance(ivf, faiss.IndexIVFPQ) else 1)
+    if n < need:
+        raise IndexInputError(f"training {ivf.nlist} IVF lists needs at least {need} vectors, got {n}; "
+                              f"lower index.nlist or use index.index_type=flat")
+
+
+def serialize(index: faiss.Index) -> bytes:
+    """The index as bytes (FAISS's own format)."""
+    return faiss.serialize_index(index).tobytes()
+
+
+def deserialize(data: bytes) -> faiss.Index:
+    """An index from ``serialize`` bytes."""
+    return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+
+
+@functools.lru_cache(maxsize=1)
+def _cloner_options() -> faiss.GpuMultipleClonerOptions:
+    options = faiss.GpuMultipleClonerOptions()
+    options.useFloat16LookupTables = True  # IVF-PQ with large codes needs it on GPU
+    return options
+
+
+def to_search_device(index: faiss.Index, use_gpu: bool) -> tuple[faiss.Index, bool]:
+    """The index on all GPUs when available (falls back to CPU on an unsupported layout)."""
+    if not gpus_available(use_gpu):
+        return index, False
+    try:
+        return faiss.index_cpu_to_all_gpus(index, co=_cloner_options()), True
+    except RuntimeError as exc:
+        log.warning("FAISS could not move this index to GPU (%s); searching it on CPU", exc)
+        return index, False
+
+
+def set_nprobe(index: faiss.Index, nprobe: int, on_gpu: bool) -> None:
+    """Lists visited per query for IVF indexes (no-op for flat)."""
+    if on_gpu:
+        faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
+    elif ivf_of(index) is not None:
+        faiss.extract_index_ivf(index).nprobe = nprobe

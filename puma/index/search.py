@@ -1,0 +1,191 @@
+"""Search every shard of an index and merge their top-k into the global top-k.
+
+IVF shards share one trained coarse quantizer, so on CPU the queries are assigned to their
+``nprobe`` nearest lists once and every shard scans those lists (``search_preassigned``); the
+result equals searching one IVF index holding all the vectors. On GPU each shard is searched
+whole. Flat shards are exact, so the merged result equals one exact index over all vectors.
+
+Missing results (fewer than k candidates in the probed lists) come back as id -1 / item id ''
+with score -inf (ip) or +inf (l2).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from puma import storage
+from puma.index import backend
+from puma.index.manifest import FileEntry, IndexIntegrityError, Manifest, read_manifest
+from puma.index.plan import IndexInputError
+from puma.index.table import EMBEDDING, ITEM_ID, embedding_matrix, read_columns, read_rows
+from puma.index.verify import verify
+
+log = logging.getLogger(__name__)
+
+
+def merge_topk(scores: list[np.ndarray], ids: list[np.ndarray], k: int,
+               largest: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Global top-k from per-shard top-k lists: S x (Q, k) -> (Q, k); ids -1 sort last."""
+    all_scores = np.concatenate(scores, axis=1)  # (Q, S*k)
+    all_ids = np.concatenate(ids, axis=1)  # (Q, S*k)
+    key = -all_scores if largest else all_scores.copy()
+    key[all_ids < 0] = np.inf
+    order = np.argsort(key, axis=1, kind="stable")[:, :k]  # (Q, k)
+    top_scores = np.take_along_axis(all_scores, order, axis=1)
+    top_ids = np.take_along_axis(all_ids, order, axis=1)
+    top_scores[top_ids < 0] = -np.inf if largest else np.inf
+    return top_scores, top_ids
+
+
+class ShardedIndex:
+    """The committed shards of one index, searched together (``ShardedIndex.open(uri)``)."""
+
+    def __init__(self, uri: str, manifest: Manifest, trained: faiss.Index, shards: list[faiss.Index],
+                 item_ids: pa.Array, on_gpu: bool, nprobe: int, query_chunk: int = 65536) -> None:
+        self.uri, self.manifest, self.on_gpu = uri, manifest, on_gpu
+        self.nprobe, self.query_chunk = nprobe, query_chunk
+        self._trained = trained  # owns the shared coarse quantizer
+        ivf = None if on_gpu else backend.ivf_of(trained)
+        self._coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
+        self._shards = shards
+        self._item_ids = item_ids  # (N,) item id of each global id
+        self._starts = np.array([s.id_start for s in manifest.shards], dtype=np.int64)
+
+    @classmethod
+    def open(cls, uri: str, nprobe: int = 16, use_gpu: bool = True, check: bool = False,
+             query_chunk: int = 65536) -> ShardedIndex:
+        """Load every committed shard (checksums checked as loaded; ``check`` runs a full verify)."""
+        if check:
+            verify(uri).raise_if_bad()
+        manifest = read_manifest(uri)
+        if not manifest.shards:
+            raise IndexInputError(f"index {uri} has no shards yet; add items before searching")
+        trained = backend.deserialize(_read_checked(uri, manifest.trained))
+        shards, on_gpu = [], False
+        for shard in manifest.shards:
+            index, on_gpu = backend.to_search_device(backend.deserialize(_read_checked(uri, shard.index)),
+                                                     use_gpu)
+            shards.append(index)
+        return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest), on_gpu, nprobe, query_chunk)
+
+    @property
+    def ntotal(self) -> int:
+        return len(self._item_ids)
+
+    @property
+    def dim(self) -> int:
+        return self.manifest.dim
+
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k over all shards: queries (Q, E) -> scores (Q, k) float32, item ids (Q, k) str."""
+        scores, ids = self.search_ids(queries, k, nprobe)
+        return scores, self.to_item_ids(ids)
+
+    def search_ids(self, queries: np.ndarray, k: int,
+                   nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k over all shards as global int64 ids: (Q, E) -> (Q, k) scores, (Q, k) ids."""
+        q = self._check_queries(queries, k)
+        parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe or self.nprobe)
+                 for i in range(0, len(q), self.query_chunk)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _search_chunk(self, q: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.manifest.nlist:  # IVF: every shard visits the same nprobe lists
+            nprobe = min(nprobe, self.manifest.nlist)
+            for shard in self._shards:
+                backend.set_nprobe(shard, nprobe, self.on_gpu)
+        if self._coarse is None:
+            results = [shard.search(q, k) for shard in self._shards]
+        else:
+            coarse_scores, lists = self._coarse.search(q, nprobe)  # (Q, nprobe) each, once for all shards
+            results = [backend.ivf_of(s).search_preassigned(q, k, lists, coarse_scores) for s in self._shards]
+        return merge_topk([r[0] for r in results], [r[1] for r in results], k, self.manifest.metric == "ip")
+
+    def _check_queries(self, queries: np.ndarray, k: int) -> np.ndarray:
+        q = np.asarray(queries)
+        if q.ndim != 2 or q.shape[1] != self.dim or not np.issubdtype(q.dtype, np.floating):
+            raise IndexInputError(f"queries must be a float (Q, {self.dim}) array, got {q.dtype} {q.shape}")
+        if not 1 <= k <= self.ntotal or (self.on_gpu and k > backend.GPU_MAX_K):
+            limit = min(self.ntotal, backend.GPU_MAX_K) if self.on_gpu else self.ntotal
+            raise IndexInputError(f"k must be in [1, {limit}] for this index, got {k}")
+        if not np.isfinite(q).all():
+            raise IndexInputError("queries have NaN or Inf values")
+        return np.ascontiguousarray(q, dtype=np.float32)
+
+    def to_item_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Global ids (any shape, -1 for none) -> item ids (same shape, '' for none)."""
+        flat = np.asarray(ids, dtype=np.int64).ravel()
+        names = np.array(self._item_ids.take(pa.array(np.maximum(flat, 0))).to_pylist(), dtype=object)
+        names[flat < 0] = ""
+        return names.reshape(np.shape(ids))
+
+    def lookup(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
+        """Item ids -> global int64 ids; raises IndexInputError naming any that are not indexed."""
+        wanted = pa.array([str(x) for x in item_ids], type=self._item_ids.type)
+        found = pc.index_in(wanted, value_set=self._item_ids)
+        if found.null_count:
+            missing = [str(x) for x in wanted.filter(found.is_null()).to_pylist()[:10]]
+            raise IndexInputError(f"{found.null_count} item id(s) are not in index {self.uri}, "
+                                  f"e.g. {missing}")
+        return found.to_numpy().astype(np.int64)
+
+    def embeddings(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
+        """Stored embeddings of indexed items (n,) -> (n, E) float32, read from the shards' Parquet."""
+        ids = self.lookup(item_ids)
+        shard_of = np.searchsorted(self._starts, ids, side="right") - 1  # (n,)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        for s in np.unique(shard_of):
+            rows = np.flatnonzero(shard_of == s)
+            entry = self.manifest.shards[s]
+            part = read_rows(_path(self.uri, entry.embeddings), ids[rows] - entry.id_start,
+                             [ITEM_ID, EMBEDDING])
+            out[rows] = embedding_matrix(part)
+        return out
+
+    def search_by_item_id(self, item_ids: list[str] | np.ndarray, k: int, exclude_self: bool = True,
+                          nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k neighbours of indexed items (their stored embeddings), without the item itself."""
+        own = self.lookup(item_ids)  # (n,)
+        scores, ids = self.search_ids(self.embeddings(item_ids), k + int(exclude_self), nprobe)
+        if exclude_self:
+            scores, ids = drop_self(scores, ids, own)
+        return scores, self.to_item_ids(ids)
+
+
+def drop_self(scores: np.ndarray, ids: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop each row's own id (or, when absent, its last neighbour): (n, k+1) -> (n, k)."""
+    drop = ids == own[:, None]  # (n, k+1)
+    first = drop & (np.cumsum(drop, axis=1) == 1)  # only the first match per row
+    first[~first.any(axis=1), -1] = True
+    keep = ~first
+    n, k = ids.shape[0], ids.shape[1] - 1
+    return scores[keep].reshape(n, k), ids[keep].reshape(n, k)
+
+
+def _path(uri: str, entry: FileEntry) -> str:
+    return storage.join(uri, *entry.path.split("/"))
+
+
+def _read_checked(uri: str, entry: FileEntry) -> bytes:
+    """A file's bytes, refused when they do not match the manifest's sha256."""
+    data = storage.read_bytes(_path(uri, entry))
+    if storage.sha256(data) != entry.sha256:
+        raise IndexIntegrityError(f"{_path(uri, entry)} does not match its manifest checksum; run "
+                                  f"puma.index.verify({uri!r}) and rebuild the damaged shard")
+    return data
+
+
+def _load_item_ids(uri: str, manifest: Manifest) -> pa.Array:
+    """Item id of every global id, concatenated in shard order (ids are contiguous)."""
+    parts = []
+    for shard in manifest.shards:
+        col = read_columns(_path(uri, shard.embeddings), [ITEM_ID])[ITEM_ID]
+        if len(col) != shard.count:
+            raise IndexIntegrityError(f"{shard.name}: {len(col)} Parquet rows; manifest says {shard.count}")
+        parts.extend(col.chunks)
+    return pa.chunked_array(parts).combine_chunks()

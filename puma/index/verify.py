@@ -1,0 +1,109 @@
+"""verify(uri): every file the manifest lists exists with its size and sha256, and the counts agree.
+
+Checks: trained.faiss and each shard's files (size, sha256); per shard, Parquet rows == index
+vectors == manifest count, index_id == [id_start, id_start + count) with contiguous id_start;
+item ids unique across the index. Shard folders absent from the manifest are listed as orphans
+(an unfinished write; not an error, the next write removes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from puma import storage
+from puma.index import backend
+from puma.index.manifest import (
+    FileEntry,
+    IndexIntegrityError,
+    Manifest,
+    ShardEntry,
+    file_sha256,
+    orphan_shards,
+    read_manifest,
+)
+from puma.index.table import INDEX_ID, ITEM_ID, read_columns
+
+
+@dataclass
+class VerifyReport:
+    """What verify found; ``ok`` when ``problems`` is empty."""
+
+    uri: str
+    shards: int = 0
+    items: int = 0
+    files_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_if_bad(self) -> VerifyReport:
+        """Raise IndexIntegrityError listing every problem; returns self when ok."""
+        if self.problems:
+            raise IndexIntegrityError(f"index {self.uri} failed verification ({len(self.problems)} "
+                                      f"problem(s)): " + "; ".join(self.problems))
+        return self
+
+
+def verify(uri: str) -> VerifyReport:
+    """Check checksums, sizes and counts of the index at ``uri`` against its manifest."""
+    manifest = read_manifest(uri)
+    report = VerifyReport(uri=uri, shards=len(manifest.shards), items=manifest.total)
+    _check_file(uri, manifest.trained, report)
+    item_ids = []
+    next_start = 0
+    for shard in manifest.shards:
+        if shard.id_start != next_start:
+            report.problems.append(f"{shard.name}: id_start {shard.id_start} != expected {next_start}")
+        next_start = shard.id_start + shard.count
+        if _check_file(uri, shard.index, report) and _check_file(uri, shard.embeddings, report):
+            item_ids.append(_check_shard(uri, manifest, shard, report))
+    _check_unique(item_ids, report)
+    report.orphans = orphan_shards(uri, manifest)
+    return report
+
+
+def _check_file(uri: str, entry: FileEntry, report: VerifyReport) -> bool:
+    """Size and sha256 of one file; False (and a problem) when it is missing or differs."""
+    path = storage.join(uri, *entry.path.split("/"))
+    report.files_checked += 1
+    if not storage.exists(path):
+        report.problems.append(f"{entry.path}: missing")
+        return False
+    data_sha = file_sha256(path)
+    if data_sha != entry.sha256:
+        report.problems.append(f"{entry.path}: sha256 {data_sha[:12]}... != manifest {entry.sha256[:12]}...")
+        return False
+    return True
+
+
+def _check_shard(uri: str, manifest: Manifest, shard: ShardEntry, report: VerifyReport) -> pa.ChunkedArray:
+    """Counts and ids of one shard whose files match their checksums; returns its item ids."""
+    table = read_columns(storage.join(uri, *shard.embeddings.path.split("/")), [INDEX_ID, ITEM_ID])
+    expected = np.arange(shard.id_start, shard.id_start + shard.count, dtype=np.int64)
+    ids = table[INDEX_ID].to_numpy()
+    if len(table) != shard.count or not np.array_equal(ids, expected):
+        report.problems.append(f"{shard.name}: Parquet has {len(table)} rows with index_id "
+                               f"{ids[:1]}..{ids[-1:]}; manifest says {shard.count} from {shard.id_start}")
+    index = backend.deserialize(storage.read_bytes(storage.join(uri, *shard.index.path.split("/"))))
+    if index.ntotal != shard.count or index.d != manifest.dim:
+        report.problems.append(f"{shard.name}: index holds {index.ntotal} vectors of dim {index.d}; "
+                               f"manifest says {shard.count} of dim {manifest.dim}")
+    return table[ITEM_ID]
+
+
+def _check_unique(item_ids: list[pa.ChunkedArray], report: VerifyReport) -> None:
+    chunks = [c for part in item_ids for c in part.chunks]
+    if not chunks:
+        return
+    all_ids = pa.chunked_array(chunks)
+    repeated = len(all_ids) - len(pc.unique(all_ids))
+    if repeated:
+        report.problems.append(f"{repeated} item id(s) appear more than once across shards")
+
