@@ -326,7 +326,7 @@ class SweepConfig:
     """
 
     name: str = "sweep"  # the sweep lives at <storage_path>/<name>; re-running the same name resumes it
-    storage_path: str = "artifacts/sweeps"  # local path or s3:// (a cluster needs shared storage)
+    storage_path: str = ""  # local or s3:// (shared storage on a cluster); '' = <train.storage_path>/sweeps
     space_file: str = ""  # search-space YAML of dotted config keys; '' = tune/search_space.yaml
     num_samples: int = 8  # trials
     max_concurrent_trials: int = 1

@@ -1,0 +1,125 @@
+"""Training-step benchmark: PUMA vs full fine-tuning vs a frozen-backbone forward, same batch, same
+process, printed as ratios; and samples/s of the whole Ray Train job against the step alone.
+
+    .venv/bin/python bench/bench_train.py                       # offline ViT-S/14 at 112 px, batch 32
+    .venv/bin/python bench/bench_train.py --img-size 224 --batch 180 --device cuda   # paper per-GPU batch
+    .venv/bin/python bench/bench_train.py --job                 # also the whole job (Ray, data, eval off)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from puma.config import load_config  # noqa: E402
+from puma.losses import build_loss  # noqa: E402
+from puma.models import build_model  # noqa: E402
+from puma.models.trainable import trainable_parameter_groups  # noqa: E402
+from puma.optim import build_optimizer  # noqa: E402
+from puma.train.step import TrainModule, train_step  # noqa: E402
+
+DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+def _timed(fn, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds per call after one warm-up, and peak CUDA memory in GiB (0 on CPU)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return sorted(times)[len(times) // 2], peak
+
+
+def _step_fn(method: str, args, images, labels, device):
+    cfg = load_config(args.config, [f"model.method={method}", f"model.backbone.img_size={args.img_size}"])
+    model = build_model(cfg.model).to(device)
+    loss = build_loss(cfg.loss, args.classes, cfg.model.head.embed_dim).to(device)
+    optimizer = build_optimizer(trainable_parameter_groups(model), loss, cfg.optim)
+    module = TrainModule(model, loss).train()
+    precision = args.precision if device.type == "cuda" else "fp32"
+    return lambda: train_step(module, optimizer, images, labels, 1.0, precision)
+
+
+def _forward_fn(args, images, device):
+    cfg = load_config(args.config, ["model.method=linear", f"model.backbone.img_size={args.img_size}"])
+    model = build_model(cfg.model).to(device).eval()
+
+    @torch.no_grad()
+    def run():
+        model.forward_features(images)
+    return run
+
+
+def bench_steps(args) -> dict[str, float]:
+    """Median step time of each variant on one fixed batch; prints images/s and ratios."""
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=gen).to(device)
+    labels = (torch.arange(args.batch) % args.classes).to(device)
+    variants = {"frozen forward": _forward_fn(args, images, device),
+                "puma step": _step_fn("puma", args, images, labels, device),
+                "full fine-tune step": _step_fn("full_finetune", args, images, labels, device)}
+    results = {}
+    print(f"device {device}, batch {args.batch}, {args.img_size} px, {torch.get_num_threads()} threads")
+    for name, fn in variants.items():
+        seconds, peak = _timed(fn, args.repeats, device)
+        results[name] = seconds
+        print(f"{name:<22} {args.batch / seconds:8.1f} img/s  peak {peak:6.2f} GiB")
+    base = results["frozen forward"]
+    print(f"ratios (time / frozen forward): puma {results['puma step'] / base:.2f}x, "
+          f"full fine-tune {results['full fine-tune step'] / base:.2f}x; "
+          f"puma / full fine-tune {results['puma step'] / results['full fine-tune step']:.2f}x")
+    return results
+
+
+def bench_job(args, step_seconds: float) -> None:
+    """The whole training job's samples/s (Ray Data + Ray Train) against the bare PUMA step."""
+    from puma.runtime import init_ray
+    from puma.train.driver import run_training
+
+    init_ray()
+    cfg = load_config(args.config, [f"model.backbone.img_size={args.img_size}", "train.epochs=1",
+                                    "train.eval_every=0", f"train.batch_size={args.batch}",
+                                    f"train.max_steps_per_epoch={args.job_steps}",
+                                    "train.run_name=bench-train", "train.storage_path=/tmp/puma-bench-runs"])
+    outcome = run_training(cfg)
+    job = outcome.metrics["train/samples_per_s"]
+    step = args.batch / step_seconds
+    print(f"whole job {job:.1f} samples/s vs bare step {step:.1f}: job/step {job / step:.2f}x "
+          f"(input pipeline and reporting overhead {100 * (1 - job / step):.0f}%)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEMO))
+    parser.add_argument("--img-size", type=int, default=112)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--job", action="store_true", help="also time the whole Ray Train job")
+    parser.add_argument("--job-steps", type=int, default=6)
+    args = parser.parse_args(argv)
+    results = bench_steps(args)
+    if args.job:
+        bench_job(args, results["puma step"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

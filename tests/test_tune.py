@@ -1,0 +1,298 @@
+"""Sweeps (tune/sweep.py, puma.sweep) on real images with a tiny model.
+
+Fast tests (no Ray): the search space is keyed by config keys and every bound is built into a real
+Config, so unknown keys and bad ranges fail before any trial. One real sweep (Optuna TPE + ASHA,
+3 trials, 2 epochs each) is killed after its first trial finishes and re-run with the same
+command: finished trials are not re-run, ASHA stops a trial early, the results are written and
+the best config trains with jobs/train.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny import TINY_BACKBONE
+
+from puma.config import load_config
+from puma.data.prepare import prepare
+from puma.data.sources import SourceSpec
+from puma.sweep import SearchSpaceError, SweepError, parse_space, plan_sweep
+from puma.sweep.report import SweepOutcome, TrialRow, best_row, trials_markdown, write_plots
+from puma.sweep.run import trial_statuses
+from puma.sweep.space import optuna_distributions
+from puma.sweep.trial import trial_config
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "data"
+PYTHON = sys.executable
+NUM_SAMPLES, EPOCHS = 3, 2
+GOOD_LR, BAD_LR = 3.0e-4, 1.0
+# A learning rate far too large is a reliably bad region (harmonic R@1 ~0.05 after one epoch against
+# ~0.11), so ASHA's decision does not hinge on training noise; Optuna's TPE is seeded and its first
+# draws are random start-up samples, so sweep.seed=1 proposes good, bad, good learning rates.
+TEST_SPACE = {
+    "model.adapter.rank": {"type": "choice", "values": [4, 8]},
+    "model.adapter.keep_prob": {"type": "uniform", "low": 0.5, "high": 1.0},
+    "optim.lr": {"type": "choice", "values": [GOOD_LR, BAD_LR]},
+}
+
+
+
+def _load_entry_point(relative: str):
+    """Import a script (tune/sweep.py, jobs/train.py) as a module under a unique name."""
+    spec = importlib.util.spec_from_file_location("entry_" + relative.replace("/", "_")[:-3], REPO / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep_job = _load_entry_point("tune/sweep.py")
+train_job = _load_entry_point("jobs/train.py")
+
+
+def tiny_config(path: Path, data_uri: str, sweeps: str, runs: str) -> Path:
+    """A complete YAML config for a tiny sweep: 3 trials, 2 epochs, ASHA rung at epoch 1."""
+    cfg = {
+        "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
+                  "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
+        "data": {"uri": data_uri, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 16},
+        "train": {"epochs": EPOCHS, "batch_size": 16, "max_steps_per_epoch": 2, "cpus_per_worker": 0.5,
+                  "storage_path": runs, "run_name": "base", "max_failures": 0},
+        "eval": {"batch_size": 64},
+        "sweep": {"storage_path": sweeps, "name": "tiny", "num_samples": NUM_SAMPLES, "seed": 1,
+                  "max_concurrent_trials": 1, "grace_period": 1, "reduction_factor": 3,
+                  "val_fraction": 0.34},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """Real photos and drawings prepared to Parquet: flowers 12 species x 10, omniglot 242 x 4."""
+    root = tmp_path_factory.mktemp("sweep")
+    data = str(root / "data")
+    specs = [SourceSpec("folder", "flowers", str(SHARED / "flowers12-subset"), 1, 10),
+             SourceSpec("folder", "omniglot", str(SHARED / "omniglot-subset"), 2, 4)]
+    prepare(specs, data, log=lambda _: None)
+    config = tiny_config(root / "tiny.yaml", data, str(root / "sweeps"), str(root / "runs"))
+    space = root / "space.yaml"
+    space.write_text(yaml.safe_dump(TEST_SPACE))
+    return {"root": root, "config": config, "space": space, "sweep_dir": root / "sweeps" / "tiny"}
+
+
+# ----------------------------------------------------------------------------- before any trial
+
+
+def test_default_space_covers_the_paper_knobs_and_fits_the_demo_config(tmp_path):
+    plan = plan_sweep(load_config(REPO / "configs" / "demo.yaml", [f"sweep.storage_path={tmp_path}"]))
+    assert set(plan.space) == {"model.adapter.rank", "model.adapter.keep_prob", "model.prompt_pool.pool_size",
+                               "model.prompt_pool.length", "optim.lr"}
+    assert {s.kind for s in plan.space.values()} == {"choice", "uniform", "randint", "loguniform"}
+    dists = optuna_distributions(plan.space)
+    assert dists["optim.lr"].log and dists["model.prompt_pool.length"].high == 16  # randint: inclusive
+
+
+BAD_SPACES = [
+    ({"model.adapter.rnak": {"type": "choice", "values": [4]}}, r"unknown config key 'model.adapter.rnak'"),
+    ({"adapter.rank": {"type": "choice", "values": [4]}}, r"did you mean \['model.adapter.rank'"),
+    ({"data.val_fraction": {"type": "uniform", "low": 0.1, "high": 0.3}}, r"set by the sweep itself"),
+    ({"sweep.seed": {"type": "randint", "low": 0, "high": 3}}, r"set by the sweep itself"),
+    ({"model.adapter.keep_prob": {"type": "uniform", "low": 0.5, "high": 1.5}},
+     r"keep_prob: uniform high=1.5 is rejected by the config: .*valid: 0 < p <= 1"),
+    ({"optim.lr": {"type": "uniform", "low": 1e-3, "high": 1e-3}}, r"needs low < high"),
+    ({"optim.lr": {"type": "loguniform", "low": 0.0, "high": 1e-3}}, r"loguniform needs low > 0"),
+    ({"loss.name": {"type": "choice", "values": ["arcface", "nope"]}},
+     r"values\[1\]='nope' is rejected by the config: loss.name='nope' is not valid"),
+    ({"model.adapter.rank": {"type": "uniform", "low": 4, "high": 64}}, r"expected int, got 4.0"),
+    ({"model.adapter.rank": {"type": "randint", "low": 4.5, "high": 64}}, r"low must be an integer"),
+    ({"optim.lr": {"type": "normal", "low": 0.1, "high": 1}}, r"type one of \['choice'"),
+    ({"optim.lr": {"type": "uniform", "low": 0.1}}, r"takes exactly \['high', 'low', 'type'\]"),
+]
+
+
+@pytest.mark.parametrize(("space", "message"), BAD_SPACES, ids=[m[:28] for _, m in BAD_SPACES])
+def test_bad_search_space_is_rejected_before_ray(tmp_path, space, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    cfg = load_config(None, [f"sweep.space_file={path}", f"sweep.storage_path={tmp_path / 'sweeps'}"])
+    with pytest.raises(SearchSpaceError, match=message):
+        plan_sweep(cfg)
+
+
+def test_cli_stops_on_a_bad_space_before_any_trial(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text("model.adapter.keep_prob: {type: uniform, low: 0.5, high: 1.5}\n")
+    rc = sweep_job.main(["--space", str(space), f"sweep.storage_path={tmp_path / 'sweeps'}"])
+    assert rc == 2
+    assert "model.adapter.keep_prob: uniform high=1.5 is rejected" in capsys.readouterr().err
+    assert not (tmp_path / "sweeps").exists(), "nothing may be written before the space is valid"
+    with pytest.raises(SearchSpaceError, match="search-space file .* not found"):
+        plan_sweep(load_config(None, [f"sweep.space_file={tmp_path / 'missing.yaml'}",
+                                      f"sweep.storage_path={tmp_path / 'sweeps'}"]))
+
+
+def test_sweep_options_are_checked_before_ray(tmp_path):
+    where = f"sweep.storage_path={tmp_path}"
+    with pytest.raises(SweepError, match="grace_period=5 exceeds train.epochs=3"):
+        plan_sweep(load_config(None, ["train.epochs=3", "sweep.grace_period=5", where]))
+    with pytest.raises(SweepError, match=r"needs k=16 in eval.ks=\[1, 2, 4, 8\]"):
+        plan_sweep(load_config(None, ["sweep.metric=harmonic/r@16", where]))
+
+
+def test_trials_score_validation_classes_in_their_own_run(tmp_path):
+    base = load_config(None, ["sweep.val_fraction=0.25", "data.val_fraction=0.0", "train.eval_split=test"])
+    space = parse_space(TEST_SPACE)
+    assert set(space) == set(TEST_SPACE)
+    cfg = trial_config(base, {"model.adapter.rank": 4, "optim.lr": 0.01}, str(tmp_path / "s"), "abc123")
+    assert (cfg.train.eval_split, cfg.data.val_fraction, cfg.train.eval_every) == ("val", 0.25, 1)
+    assert (cfg.train.run_name, cfg.train.storage_path) == ("abc123", str(tmp_path / "s" / "trials"))
+    assert (cfg.model.adapter.rank, cfg.optim.lr, cfg.train.best_metric) == (4, 0.01, "harmonic/r@1")
+
+
+def test_report_picks_the_best_by_mode_and_explains_a_missing_importance_plot(tmp_path):
+    plan = plan_sweep(load_config(None, [f"sweep.storage_path={tmp_path}", "sweep.mode=min"]))
+    params = [{"model.adapter.rank": 16, "model.adapter.keep_prob": 0.5, "model.prompt_pool.pool_size": 5,
+               "model.prompt_pool.length": 2, "optim.lr": lr} for lr in (1e-4, 1e-3)]
+    rows = [TrialRow("a", "completed", 3, 0.5, params[0], {1: 0.6, 3: 0.5}),
+            TrialRow("b", "stopped early", 1, 0.5, params[1], {1: 0.5}),
+            TrialRow("c", "error", 0, math.nan, {})]
+    assert best_row(rows, "min").trial_id == "a" and best_row(rows[2:], "max") is None
+    outcome = SweepOutcome(plan.sweep_dir, rows, None, {})
+    write_plots(plan, rows, str(tmp_path / "out"), outcome)  # equal objectives: no importance to show
+    assert list(outcome.files) == ["optimization_history.png"]
+    assert outcome.notes and "no parameter importance" in outcome.notes[0]
+    table = trials_markdown(rows, list(plan.space), "harmonic/r@1", "min")
+    assert table.splitlines()[-1].startswith("| c | error | 0 |  |")  # no objective: last, empty cell
+
+
+# ----------------------------------------------------------------------------- a real sweep
+
+
+def _command(setup: dict) -> list[str]:
+    return [PYTHON, "tune/sweep.py", "--config", str(setup["config"]), "--space", str(setup["space"])]
+
+
+def _files(folder: Path, content: bool = False) -> dict[str, object]:
+    """path -> mtime_ns of each file under ``folder``, or its bytes (for files Tune re-copies unchanged)."""
+    return {str(p.relative_to(folder)): p.read_bytes() if content else p.stat().st_mtime_ns
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _trial_files(sweep_dir: Path, trial_id: str) -> tuple[dict, dict]:
+    """Tune's files of a trial (results, params: compared by content) and its Ray Train run (by mtime)."""
+    return _files(sweep_dir / "tune" / trial_id, content=True), _files(sweep_dir / "trials" / trial_id)
+
+
+def _wait_for_finished_trial(process: subprocess.Popen, sweep_dir: Path, timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        statuses = trial_statuses(str(sweep_dir))
+        if "TERMINATED" in statuses.values():
+            return statuses
+        time.sleep(1.0)
+    raise AssertionError(f"no trial was recorded as finished within {timeout}s (driver rc {process.poll()})")
+
+
+@pytest.fixture(scope="module")
+def resumed_sweep(ray_cluster, setup) -> dict:
+    """Run the sweep, SIGKILL its driver once a trial is recorded finished, re-run the same command."""
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address, PYTHONUNBUFFERED="1")
+    log1 = setup["root"] / "first.log"
+    with open(log1, "w") as out:
+        first = subprocess.Popen(_command(setup), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            at_kill = _wait_for_finished_trial(first, setup["sweep_dir"], timeout=600)
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+    finished = sorted(t for t, s in at_kill.items() if s == "TERMINATED")
+    before = {t: _trial_files(setup["sweep_dir"], t) for t in finished}
+    second = subprocess.run(_command(setup), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:] + "\n--- first run:\n" + log1.read_text()[-3000:]
+    after = {t: _trial_files(setup["sweep_dir"], t) for t in finished}
+    results = setup["sweep_dir"] / "results"
+    with open(results / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    return {"at_kill": at_kill, "finished": finished, "before": before, "after": after, "output": output,
+            "rows": rows, "results": results, "summary": json.loads((results / "summary.json").read_text())}
+
+
+def test_killed_sweep_resumes_without_rerunning_finished_trials(resumed_sweep, setup):
+    finished, output = resumed_sweep["finished"], resumed_sweep["output"]
+    assert finished and len(resumed_sweep["at_kill"]) < NUM_SAMPLES + 1
+    assert f"resuming {setup['sweep_dir']}: {len(finished)} finished trials kept" in output
+    started_here = set(re.findall(r"\[puma\.sweep\] trial (\w+) starts", output))
+    for trial_id in finished:
+        assert trial_id not in started_here, f"finished trial {trial_id} was run again"
+        assert resumed_sweep["after"][trial_id] == resumed_sweep["before"][trial_id], \
+            f"files of finished trial {trial_id} changed on resume"
+    rows = resumed_sweep["rows"]
+    ids = {r["trial_id"] for r in rows}
+    assert len(rows) == NUM_SAMPLES and len(ids) == NUM_SAMPLES
+    assert set(finished) <= ids and started_here == ids - set(finished)  # the others all ran here
+    assert all(r["status"] in ("completed", "stopped early") for r in rows), rows
+
+
+def test_asha_stops_the_bad_trial_early(resumed_sweep):
+    rows = resumed_sweep["rows"]  # in the order the trials ran
+    assert [float(r["optim.lr"]) for r in rows] == [GOOD_LR, BAD_LR, GOOD_LR], "seeded TPE proposals changed"
+    stopped = [r for r in rows if r["status"] == "stopped early"]
+    assert stopped, f"ASHA stopped no trial: {rows}"
+    assert all(int(r["epochs"]) == 1 and float(r["optim.lr"]) == BAD_LR for r in stopped)
+    assert [int(r["epochs"]) for r in rows if r not in stopped] == [EPOCHS] * (NUM_SAMPLES - len(stopped))
+    assert resumed_sweep["summary"]["status_counts"]["stopped early"] == len(stopped)
+    assert resumed_sweep["summary"]["best"]["params"]["optim.lr"] == GOOD_LR
+
+
+def test_results_table_plots_and_best_config(resumed_sweep, setup):
+    results, rows, summary = resumed_sweep["results"], resumed_sweep["rows"], resumed_sweep["summary"]
+    best_value = max(float(r["harmonic/r@1"]) for r in rows)
+    assert summary["metric"] == "harmonic/r@1" and summary["split"] == "val"
+    assert summary["best"]["objective"] == pytest.approx(best_value)
+    table = (results / "trials.md").read_text()
+    assert table.count("\n") == NUM_SAMPLES + 2 and summary["best"]["trial_id"] in table.splitlines()[2]
+    for name in ("optimization_history.png", "param_importances.png"):
+        data = (results / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    best = load_config(results / "best_config.yaml")  # as jobs/train.py loads it
+    for key, value in summary["best"]["params"].items():
+        section, *rest = key.split(".")
+        node = getattr(best, section)
+        for part in rest:
+            node = getattr(node, part)
+        assert node == value, key
+    assert (best.train.eval_split, best.data.val_fraction) == ("test", 0.0)  # final training: all classes
+    assert best.train.run_name == "tiny-best"
+
+
+def test_best_config_trains_with_jobs_train(resumed_sweep, tmp_path):
+    best = resumed_sweep["results"] / "best_config.yaml"
+    rc = train_job.main(["--config", str(best), f"train.storage_path={tmp_path}", "train.epochs=1",
+                         "train.max_steps_per_epoch=1"])
+    assert rc == 0
+    trained = yaml.safe_load((tmp_path / "tiny-best" / "best" / "config.yaml").read_text())
+    params = resumed_sweep["summary"]["best"]["params"]
+    assert trained["model"]["adapter"]["rank"] == params["model.adapter.rank"]
+    assert trained["optim"]["lr"] == pytest.approx(params["optim.lr"])
+
+
+def test_resume_with_other_settings_is_refused(resumed_sweep, setup):
+    changed = load_config(setup["config"], ["train.epochs=3", f"sweep.space_file={setup['space']}"])
+    with pytest.raises(SweepError, match=r"other settings; changed: .*'config.train.epochs: 2 -> 3'"):
+        plan_sweep(changed)
+    with pytest.raises(SweepError, match="exists and sweep.resume=false"):
+        plan_sweep(load_config(setup["config"], ["sweep.resume=false", f"sweep.space_file={setup['space']}"]))
