@@ -88,12 +88,13 @@ def inject_adapters(vit: VisionTransformer, cfg: AdapterConfig) -> list[int]:
     return indices
 
 
-def select_blocks(depth: int, blocks: Optional[list[int]]) -> list[int]:
-    """Validated, sorted block indices (``None``: every block of a ``depth``-block ViT)."""
+def select_blocks(depth: int, blocks: Optional[list[int]], key: str = "model.adapter.blocks") -> list[int]:
+    """Validated, sorted block indices (``None``: every block of a ``depth``-block ViT); ``key`` names
+    the config key in errors."""
     if blocks is None:
         return list(range(depth))
     bad = sorted({b for b in blocks if not 0 <= b < depth})
     if bad:
-        raise ConfigError(f"model.adapter.blocks has index(es) {bad} out of range for a backbone with "
+        raise ConfigError(f"{key} has index(es) {bad} out of range for a backbone with "
                           f"{depth} blocks; valid: 0..{depth - 1}")
     return sorted(set(blocks))

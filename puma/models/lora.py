@@ -18,14 +18,13 @@ branches), so backbone weights load strict into the plain keys.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from puma.config import ConfigError, LoraConfig
+from puma.models.adapter import select_blocks
 
 QKV_CHUNKS = ("q", "k", "v")
 
@@ -89,7 +88,7 @@ def add_lora(linear: nn.Linear, chunks: tuple[str, ...], targets: list[str], cfg
 
 def inject_lora(vit: VisionTransformer, cfg: LoraConfig) -> list[int]:
     """Add LoRA branches on ``cfg.targets`` to each block in ``cfg.blocks`` (None: all); returns indices."""
-    indices = _select_blocks(len(vit.blocks), cfg.blocks)
+    indices = select_blocks(len(vit.blocks), cfg.blocks, "model.lora.blocks")
     for i in indices:
         attn = vit.blocks[i].attn
         if type(attn) is not Attention or type(attn.qkv) is not nn.Linear:
@@ -101,14 +100,3 @@ def inject_lora(vit: VisionTransformer, cfg: LoraConfig) -> list[int]:
         if "proj" in cfg.targets:
             add_lora(attn.proj, ("proj",), ["proj"], cfg)
     return indices
-
-
-def _select_blocks(depth: int, blocks: Optional[list[int]]) -> list[int]:
-    """Validated, sorted block indices (``None``: every block of a ``depth``-block ViT)."""
-    if blocks is None:
-        return list(range(depth))
-    bad = sorted({b for b in blocks if not 0 <= b < depth})
-    if bad:
-        raise ConfigError(f"model.lora.blocks has index(es) {bad} out of range for a backbone with "
-                          f"{depth} blocks; valid: 0..{depth - 1}")
-    return sorted(set(blocks))
