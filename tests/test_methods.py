@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_images, tiny_model_config
+from tiny import assert_eval_deterministic_train_stochastic, tiny_images, tiny_model_config
 
 from puma.config import ConfigError, LossConfig, OptimConfig
 from puma.losses import LossInputError, build_loss
@@ -229,12 +229,7 @@ def test_puma_with_stochastic_lora_has_adapters_pool_and_stochastic_lora():
     assert model.prompt_pool is not None
     assert sum(isinstance(m, StochasticAdapter) for m in model.modules()) == 2 * DEPTH
     randomise(model, (StochasticAdapter, LoraBranch))
-    x = tiny_images(8)
-    with torch.no_grad():
-        model.eval()
-        assert torch.equal(model(x), model(x))
-        model.train()
-        assert not torch.equal(model(x), model(x))
+    assert_eval_deterministic_train_stochastic(model, tiny_images(8))
 
 
 # ----------------------------------------------------------------------------- VPT

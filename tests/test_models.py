@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
-from tiny import TINY_BACKBONE, tiny_images, tiny_model_config
+from tiny import TINY_BACKBONE, assert_eval_deterministic_train_stochastic, tiny_images, tiny_model_config
 
 from puma.config import BackboneConfig, ConfigError, ModelConfig, from_dict
 from puma.models import (
@@ -143,12 +143,7 @@ def test_eval_is_deterministic_and_training_is_stochastic():
     torch.manual_seed(0)
     model = build_model(tiny_model_config())
     randomise_adapters(model)
-    x = tiny_images(8)
-    with torch.no_grad():
-        model.eval()
-        assert torch.equal(model(x), model(x))
-        model.train()
-        assert not torch.equal(model(x), model(x))
+    assert_eval_deterministic_train_stochastic(model, tiny_images(8))
 
 
 def test_static_adapter_is_deterministic_in_training():

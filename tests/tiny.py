@@ -51,3 +51,12 @@ def tiny_images(batch: int = 4, size: int = 32, seed: int = 0) -> torch.Tensor:
     """Random normalised-looking images (B, 3, size, size)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, size, size, generator=gen)
+
+
+def assert_eval_deterministic_train_stochastic(model: torch.nn.Module, x: torch.Tensor) -> None:
+    """Two eval forwards are equal; two training forwards (fresh Bernoulli keep masks) differ."""
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(model(x), model(x))
+        model.train()
+        assert not torch.equal(model(x), model(x))
