@@ -174,9 +174,11 @@ def ray_cluster(aws_test_env):
         yield ray
         return
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
-    tests_dir = str(Path(__file__).resolve().parent)  # workers import helpers and test modules from here
+    tests_dir = Path(__file__).resolve().parent  # workers import helpers and test modules from here
+    # the checkout itself too, so workers import this tree's puma even beside another editable install
+    pythonpath = os.pathsep.join([str(tests_dir), str(tests_dir.parent)])
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False

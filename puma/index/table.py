@@ -21,6 +21,16 @@ from puma.index.plan import IndexInputError
 ITEM_ID = "item_id"
 EMBEDDING = "embedding"
 INDEX_ID = "index_id"
+
+# Columns that jobs/embed.py writes beside item_id and embedding (the catalogue contract; the
+# index itself needs only the two above). Evaluation and retrieval grids read them.
+DATASET = "dataset"  # string: dataset / catalogue name the item belongs to
+LABEL = "label"  # int64: class within its dataset; -1 when the catalogue has no labels
+ROLE = "role"  # string: query | gallery | train (puma.data.schema roles)
+CATALOGUE = "catalogue"  # string: the catalogue URI the item was embedded from
+IMAGE_URI = "image_uri"  # string: where the image bytes are (an image file, or a Parquet file)
+IMAGE_ROW = "image_row"  # int64: -1 when image_uri is an image file, else the row in that Parquet
+NO_LABEL = -1
 ROW_GROUP_ROWS = 8192  # rows per Parquet row group; search_by_item_id reads only the groups it needs
 
 
