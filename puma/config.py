@@ -254,6 +254,7 @@ class TrainConfig:
     storage_path: str = "artifacts/runs"
     run_name: str = "puma"
     eval_every: int = 1  # epochs between evaluations (0: never)
+    eval_before: bool = True  # also evaluate the frozen backbone before training (the 'before' column)
     eval_split: str = "test"  # split evaluated during training: test | val (sweeps use val)
     best_metric: str = "harmonic/r@1"
     max_failures: int = 2

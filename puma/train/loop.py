@@ -63,7 +63,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if optimizer_state is not None:  # after prepare_model: the state follows the parameters' device
         optimizer.load_state_dict(optimizer_state)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.train.precision == "fp16" else None
-    if not state.before and cfg.train.eval_every > 0:
+    if not state.before and cfg.train.eval_every > 0 and cfg.train.eval_before:
         state.before = _evaluate_zero_shot(cfg, device)
     for epoch in range(state.epoch, cfg.train.epochs):
         stats = _train_epoch(cfg, module, optimizer, scaler, device, epoch, state)
