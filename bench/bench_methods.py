@@ -141,7 +141,7 @@ def _cell(result: dict, key: str, fmt: str = "{:.4f}") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="training steps per epoch")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--img-size", type=int, default=112)
