@@ -185,9 +185,10 @@ class ShardedIndex:
         table = pa.concat_tables(parts, promote_options="permissive")
         return table.take(pa.array(np.argsort(np.concatenate(order), kind="stable")))
 
-    def table(self, columns: list[str]) -> pa.Table:
-        """Stored columns of every item, in global id order (row i = global id i)."""
-        parts = [read_columns(_path(self.uri, s.embeddings), columns) for s in self.manifest.shards]
+    def table(self, columns: list[str], missing_ok: bool = False) -> pa.Table:
+        """Stored columns of every item in global id order (``missing_ok``: absent columns are null)."""
+        parts = [read_columns(_path(self.uri, shard.embeddings), columns, missing_ok)
+                 for shard in self.manifest.shards]
         return pa.concat_tables(parts, promote_options="permissive")
 
     def search_by_item_id(self, item_ids: list[str] | np.ndarray, k: int, exclude_self: bool = True,

@@ -131,11 +131,20 @@ def to_parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def read_columns(uri: str, columns: list[str]) -> pa.Table:
-    """Some columns of one Parquet file (local or s3://), read without the others."""
+def read_columns(uri: str, columns: list[str], missing_ok: bool = False) -> pa.Table:
+    """Some columns of one Parquet file (local or s3://), read without the others.
+
+    ``missing_ok``: columns the file lacks come back as all-null columns instead of raising.
+    """
     fs, path = storage.resolve(uri)
     with fs.open_input_file(path) as f:
-        return pq.read_table(f, columns=columns)
+        pf = pq.ParquetFile(f)
+        present = [c for c in columns if c in pf.schema_arrow.names] if missing_ok else columns
+        part = pf.read(columns=present)
+    for name in columns:
+        if name not in part.column_names:
+            part = part.append_column(name, pa.nulls(len(part)))
+    return part.select(columns)
 
 
 def read_rows(uri: str, rows: np.ndarray, columns: list[str], missing_ok: bool = False) -> pa.Table:
