@@ -89,7 +89,7 @@ def test_search_by_image_equals_search_by_stored_vector(catalogue: dict) -> None
     assert ids[0, 0] == catalogue["item_ids"][0] and ids[1, 0] == catalogue["item_ids"][6]  # itself first
 
 
-def test_unreadable_query_images_are_named(catalogue: dict, capsys) -> None:
+def test_bad_query_images_and_wrong_checkpoint_are_refused(catalogue: dict, capsys) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
     import search as search_job
 
@@ -103,6 +103,15 @@ def test_unreadable_query_images_are_named(catalogue: dict, capsys) -> None:
             "index.use_gpu=false"]
     assert search_job.main(argv) == 2
     assert "nowhere.jpg" in capsys.readouterr().err
+    x = np.eye(8, dtype=np.float32)  # an index of 8-dim vectors: another model's
+    other = str(catalogue["root"] / "other-index")
+    build_index(other, pa.table({"item_id": [f"o{i}" for i in range(8)],
+                                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)}),
+                IndexConfig(index_type="flat"))
+    argv = ["--image", str(catalogue["items"][0][2]), "--checkpoint", catalogue["ckpt"], f"index.uri={other}",
+            "index.use_gpu=false"]
+    assert search_job.main(argv) == 2
+    assert "embeds to 16 dims" in capsys.readouterr().err
 
 
 def frame_colour(grid: Image.Image, row: int, col: int) -> tuple[int, int, int]:

@@ -10,6 +10,7 @@ retrieval grid PNG (puma.index.grid) of the queries and their results.
 from __future__ import annotations
 
 import io
+import logging
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from puma.index.table import (
     to_parquet_bytes,
 )
 
+log = logging.getLogger(__name__)
 GRID_COLUMNS = [ITEM_ID, DATASET, LABEL, IMAGE_URI, IMAGE_ROW]
 
 
@@ -81,6 +83,8 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
     else:
         names, vectors = (embed_query_images(image_uris, checkpoint) if image_uris
                           else load_queries(queries_uri))
+        if image_uris:
+            check_query_model(index, checkpoint, vectors.shape[1])
         scores, found = index.search(vectors, k)
     table = results_table(names, scores, found)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -102,6 +106,18 @@ def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str
 
     model, model_cfg = load_model(checkpoint)
     return embed_images(model, model_cfg, image_uris)
+
+
+def check_query_model(index: ShardedIndex, checkpoint: str, dim: int) -> None:
+    """Refuse query embeddings of another size than the index's; warn when the model ids differ."""
+    model_id = index.manifest.model_id
+    if dim != index.dim:
+        raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index.uri} holds "
+                              f"{index.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
+                              f"the checkpoint the index was built with")
+    if model_id and model_id != checkpoint:
+        log.warning("index %s was built by model %r; the queries are embedded by %s", index.uri, model_id,
+                    checkpoint)
 
 
 def indexed_items(index: ShardedIndex, item_ids: list[str]) -> list[GridItem]:

@@ -82,7 +82,8 @@ class ShardedIndex:
             cpu_index = backend.deserialize(_read_checked(uri, shard.index))
             index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
             shards.append(index)
-            cpu_shards.append(cpu_index)
+            if keep_cpu:
+                cpu_shards.append(cpu_index)
         return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest), on_gpu, nprobe, query_chunk,
                    cpu_shards if keep_cpu else None)
 
@@ -173,6 +174,8 @@ class ShardedIndex:
     def rows(self, ids: np.ndarray, columns: list[str]) -> pa.Table:
         """Stored columns of items by global id (n,), in that order; a column a shard lacks is null."""
         ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return pa.table({name: pa.nulls(0) for name in columns})
         shard_of = np.searchsorted(self._starts, ids, side="right") - 1  # (n,)
         parts, order = [], []
         for s in np.unique(shard_of):
