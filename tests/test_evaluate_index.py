@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import faiss.contrib.torch_utils  # noqa: F401 - as pytorch-metric-learning does: patches Index.search
 import numpy as np
 import pyarrow as pa
 import pytest

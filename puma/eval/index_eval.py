@@ -12,8 +12,10 @@ accumulation (``evaluate_protocol`` / ``score_neighbours``); only the neighbour 
 - k is what the metrics need: max(max ks, max R_q), capped at the gallery size.
 
 For a flat (exact) index the result equals ``evaluate_embeddings`` on the same vectors (up to
-float ties); for IVF indexes neighbours the probed lists miss lower the scores (approximate).
-Rows without a class label (label -1) cannot be scored and are refused.
+float ties); for IVF indexes the neighbours the probed lists miss change the scores (approximate;
+with nprobe = nlist it is exact again). Rows without a class label (label -1) cannot be scored
+and are refused. With ``use_gpu`` the unrestricted searches run on the GPU shards and the
+restricted ones on CPU copies, because FAISS GPU indexes ignore ID selectors.
 """
 
 from __future__ import annotations

@@ -124,11 +124,15 @@ def score_neighbours(
     query_labels, r = query_labels[found], r[found]
     k = neighbours_needed(r, ks, len(gallery_labels), self_index[found])
     totals: dict[str, float] = {}
+    scored = 0
     for start, rows in search(found, k):
         stop = start + len(rows)
         match = (rows >= 0) & (gallery_labels[rows] == query_labels[start:stop, None])  # (n, k)
         for key, value in _chunk_sums(match, r[start:stop], ks).items():
             totals[key] = totals.get(key, 0.0) + value
+        scored += len(rows)
+    if scored != len(found):
+        raise RetrievalInputError(f"the neighbour search answered {scored} of {len(found)} queries")
     return {key: value / len(found) for key, value in totals.items()}
 
 

@@ -111,7 +111,14 @@ def search(index: faiss.Index, q: np.ndarray, k: int,
     """index.search (Q, E) -> (Q, k) scores, ids; only ids the selector allows (CPU indexes only)."""
     if selector is None:
         return index.search(q, k)
-    return index.search(q, k, params=faiss.SearchParameters(sel=selector))
+    # The C++ method: faiss.contrib.torch_utils (imported by pytorch-metric-learning) replaces
+    # Index.search process-wide with a version that takes no params.
+    q = np.ascontiguousarray(q, dtype=np.float32)  # (n, E)
+    n = len(q)
+    scores, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
+    index.search_c(n, faiss.swig_ptr(q), k, faiss.swig_ptr(scores), faiss.swig_ptr(ids),
+                   faiss.SearchParameters(sel=selector))
+    return scores, ids
 
 
 def search_preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, lists: np.ndarray,
@@ -121,6 +128,7 @@ def search_preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, lists: np.nda
     if selector is None:
         return ivf.search_preassigned(q, k, lists, coarse_scores)
     n = len(q)  # the Python wrapper refuses params here, so call the C++ method with them
+    q = np.ascontiguousarray(q, dtype=np.float32)
     scores, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
     lists = np.ascontiguousarray(lists, dtype=np.int64)  # (n, nprobe)
     coarse_scores = np.ascontiguousarray(coarse_scores, dtype=np.float32)  # (n, nprobe)
