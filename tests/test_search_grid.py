@@ -157,3 +157,17 @@ def test_grid_by_image_has_unknown_frames(catalogue: dict) -> None:
     assert grid.size == (4 * CELL_W, CELL_H)
     assert [frame_colour(grid, 0, c) for c in range(4)] == [FRAMES["query"]] + [FRAMES["unknown"]] * 3
     assert tile_pixels(grid, 0, 0).std() > 10  # the query photo itself is drawn
+
+
+def test_grid_of_vector_queries_has_placeholder_query_tiles(catalogue: dict) -> None:
+    root = catalogue["root"]
+    np.save(root / "q.npy", catalogue["x"][[2, 7]])
+    out = run_search(catalogue["cfg"], 2, queries_uri=str(root / "q.npy"), out_uri=str(root / "r3.parquet"),
+                     grid_uri=str(root / "grid-vectors.png"))
+    firsts = out.results["item_id"].to_pylist()[::2]  # each vector finds its own item first
+    assert out.grid_uri and firsts == [catalogue["item_ids"][i] for i in (2, 7)]
+    grid = Image.open(out.grid_uri).convert("RGB")
+    assert grid.size == (3 * CELL_W, 2 * CELL_H)
+    for row in (0, 1):
+        assert (tile_pixels(grid, row, 0).reshape(-1, 3) == PLACEHOLDER).all(axis=1).mean() > 0.8
+        assert tile_pixels(grid, row, 1).std() > 10  # the result photo

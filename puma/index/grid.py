@@ -62,9 +62,9 @@ def read_image_bytes(image_uri: str, image_row: int) -> bytes:
 
 def image_tile(item: GridItem) -> Image.Image:
     """The item's image fitted into TILE x TILE on white, or a placeholder naming the item."""
+    if not item.image_uri:
+        return placeholder_tile(item.item_id, "no image")  # e.g. a query given as a vector
     try:
-        if not item.image_uri:
-            raise FileNotFoundError("no image_uri")
         img = decode_image(read_image_bytes(item.image_uri, item.image_row), min_size=1, draft_side=TILE)
     except Exception as exc:  # noqa: BLE001 - any unreadable image becomes a placeholder, never a crash
         log.warning("retrieval grid: no image for %s (%s)", item.item_id, exc)
@@ -75,11 +75,11 @@ def image_tile(item: GridItem) -> Image.Image:
     return tile
 
 
-def placeholder_tile(item_id: str) -> Image.Image:
-    """A grey TILE x TILE tile saying the image is missing, with the item id wrapped on it."""
+def placeholder_tile(item_id: str, why: str = "image missing") -> Image.Image:
+    """A grey TILE x TILE tile saying why there is no image, with the item id wrapped on it."""
     tile = Image.new("RGB", (TILE, TILE), PLACEHOLDER)
     draw = ImageDraw.Draw(tile)
-    lines = ["image missing"] + [item_id[i:i + 20] for i in range(0, min(len(item_id), 100), 20)]
+    lines = [why] + [item_id[i:i + 20] for i in range(0, min(len(item_id), 100), 20)]
     for i, line in enumerate(lines):
         draw.text((4, 6 + 12 * i), line, fill=TEXT, font=_font())
     return tile
