@@ -1,8 +1,11 @@
-"""Search a sharded FAISS index: `python jobs/search.py (--queries FILE | --item-id ID ...) [key=value ...]`.
+"""Search a sharded FAISS index: `python jobs/search.py (--queries F | --item-id ID | --image F) [key=value]`.
 
-Queries are stored vectors (.npy (Q, E) or an embeddings Parquet) or item ids already in the index;
-every shard is searched and the top-k merged. Results (query, rank, item_id, score) go to a Parquet
-file. Example: `python jobs/search.py --item-id cub/0001 --k 5 index.uri=artifacts/index/demo`.
+Queries are stored vectors (.npy (Q, E) or an embeddings Parquet), item ids already in the index, or
+image files (local or s3://) embedded with a checkpoint's model (--checkpoint; default
+<train.storage_path>/<train.run_name>/best); every shard is searched and the top-k merged. Results
+(query, rank, item_id, score) go to a Parquet file; --grid also draws the queries and results as a
+PNG (matches framed green, non-matches red when labels are known).
+Example: `python jobs/search.py --item-id cub/0001 --k 5 --grid /tmp/grid.png index.uri=artifacts/index/demo`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = job_parser(__doc__.splitlines()[0])
     parser.add_argument("--queries", default="", help="query vectors: .npy (Q, E) or embeddings Parquet")
     parser.add_argument("--item-id", action="append", default=[], help="an indexed item id (repeatable)")
+    parser.add_argument("--image", action="append", default=[], help="a query image file (repeatable)")
+    parser.add_argument("--checkpoint", default="",
+                        help="checkpoint that embeds --image queries (default: "
+                             "<train.storage_path>/<train.run_name>/best)")
+    parser.add_argument("--grid", default="", help="also write a retrieval grid PNG here (local or s3://)")
     parser.add_argument("--k", type=int, default=10, help="neighbours per query (default 10)")
     parser.add_argument("--out", default="", help="results Parquet URI (default artifacts/search/...)")
     parser.add_argument("--include-self", action="store_true", help="keep an item id query in its results")
@@ -37,13 +45,17 @@ def main(argv: list[str] | None = None) -> int:
             report = verify(cfg.index.uri).raise_if_bad()
             print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
                   f"{report.files_checked} files")
-        outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self)
+        checkpoint = args.checkpoint or storage.join(cfg.train.storage_path, cfg.train.run_name, "best")
+        outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self,
+                             args.image, checkpoint, args.grid)
     except ValueError as exc:  # IndexInputError / IndexIntegrityError: say what is wrong, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(outcome.results.slice(0, min(len(outcome.results), 3 * args.k)).to_pandas().to_string(index=False))
     print(f"[puma] searched {outcome.index_items} items, {outcome.index_shards} shard(s): {cfg.index.uri}")
     print(f"[puma] results: {outcome.out_uri}")
+    if outcome.grid_uri:
+        print(f"[puma] retrieval grid: {outcome.grid_uri}")
     return 0
 
 

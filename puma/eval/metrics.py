@@ -15,11 +15,14 @@ the i-th neighbour and rel_i(q) = 1[y_{n_i(q)} = y_q].
 - MAP@R = mean_q (1/R_q) sum_{i<=R_q} P_q(i) rel_i(q), with P_q(i) = (1/i) sum_{j<=i} rel_j(q)
   (same paper).
 
-All three come from one exact kNN search (puma.eval.knn) with k = max(max(ks), max_q R_q),
-capped at the gallery size; the search runs in query chunks and the sums are accumulated per
-chunk, so memory stays O(chunk * k). Keys: "r@1", "r@2", ..., "map@r", "rp".
+All three come from one kNN search with k = max(max(ks), max_q R_q), capped at the gallery
+size; the search runs in query chunks and the sums are accumulated per chunk, so memory stays
+O(chunk * k). Keys: "r@1", "r@2", ..., "map@r", "rp". The search is a ``NeighbourSearch``:
+exact (puma.eval.knn, ``evaluate_embeddings``) or through a sharded FAISS index
+(puma.eval.index_eval); both feed the same accumulation (``score_neighbours``), so the two
+paths differ only in which neighbours they find. A missing neighbour (-1) is never relevant.
 
-Evaluation protocol (evaluate_embeddings; paper Sec. 5.1 and DESIGN.md section 2):
+Evaluation protocol (evaluate_protocol; paper Sec. 5.1 and DESIGN.md section 2):
 
 - Per dataset: a dataset whose items carry both roles "query" and "gallery" (In-Shop) is
   evaluated query -> gallery; any other dataset all-vs-all, each image querying every other
@@ -36,7 +39,7 @@ Evaluation protocol (evaluate_embeddings; paper Sec. 5.1 and DESIGN.md section 2
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -90,29 +93,58 @@ def _chunk_sums(match: np.ndarray, r: np.ndarray, ks: tuple[int, ...]) -> dict[s
     return sums
 
 
-def _score(
-    query: np.ndarray,
+# A neighbour search: (query rows (n,), k) -> yields (start, gallery rows (m, k) int64) for
+# rows[start:start+m], best first, each query's own gallery row already left out; -1 = no neighbour
+# (an approximate index may find fewer than k). The exact search (iter_knn) and the search through
+# a sharded FAISS index (puma.eval.index_eval) are two such functions over the same accumulation.
+NeighbourSearch = Callable[[np.ndarray, int], Iterable[tuple[int, np.ndarray]]]
+# What a protocol needs: (query items (Q,), gallery items (G,), self_index (Q,)) -> a NeighbourSearch,
+# items being positions in the evaluated set and self_index a query's row in the gallery or -1.
+SearchFactory = Callable[[np.ndarray, np.ndarray, np.ndarray], NeighbourSearch]
+
+
+def neighbours_needed(r: np.ndarray, ks: tuple[int, ...], gallery_size: int, self_index: np.ndarray) -> int:
+    """k the metrics need: max(max ks, max R_q), capped at the gallery size (less the query itself)."""
+    return min(max(max(ks), int(r.max())), gallery_size - int((self_index >= 0).any()))
+
+
+def score_neighbours(
     query_labels: np.ndarray,
-    gallery: np.ndarray,
     gallery_labels: np.ndarray,
-    ks: tuple[int, ...],
     self_index: np.ndarray,
-    chunk: int,
+    ks: tuple[int, ...],
+    search: NeighbourSearch,
 ) -> dict[str, float]:
-    """Metrics over the queries that have at least one relevant gallery item."""
+    """Metrics over the queries that have at least one relevant gallery item, from ``search``."""
     r = relevant_counts(query_labels, gallery_labels, self_index)
-    found = r > 0
-    if not found.any():
-        raise RetrievalInputError(f"none of the {len(query)} queries has a same-label item in the gallery")
-    query, query_labels, r, self_index = query[found], query_labels[found], r[found], self_index[found]
-    k = min(max(max(ks), int(r.max())), len(gallery) - int((self_index >= 0).any()))
+    found = np.flatnonzero(r > 0)  # (Q',) query rows that count
+    if not len(found):
+        raise RetrievalInputError(f"none of the {len(query_labels)} queries has a same-label item in the "
+                                  "gallery")
+    query_labels, r = query_labels[found], r[found]
+    k = neighbours_needed(r, ks, len(gallery_labels), self_index[found])
     totals: dict[str, float] = {}
-    for start, _, indices in iter_knn(query, gallery, k, self_index=self_index, chunk=chunk):
-        stop = start + len(indices)
-        match = gallery_labels[indices] == query_labels[start:stop, None]  # (n, k)
+    scored = 0
+    for start, rows in search(found, k):
+        stop = start + len(rows)
+        match = (rows >= 0) & (gallery_labels[rows] == query_labels[start:stop, None])  # (n, k)
         for key, value in _chunk_sums(match, r[start:stop], ks).items():
             totals[key] = totals.get(key, 0.0) + value
-    return {key: value / len(query) for key, value in totals.items()}
+        scored += len(rows)
+    if scored != len(found):
+        raise RetrievalInputError(f"the neighbour search answered {scored} of {len(found)} queries")
+    return {key: value / len(found) for key, value in totals.items()}
+
+
+def exact_search(query: np.ndarray, gallery: np.ndarray, self_index: np.ndarray,
+                 chunk: int) -> NeighbourSearch:
+    """The exact inner-product NeighbourSearch of query rows against the gallery (puma.eval.knn)."""
+
+    def search(rows: np.ndarray, k: int) -> Iterator[tuple[int, np.ndarray]]:
+        for start, _, indices in iter_knn(query[rows], gallery, k, self_index=self_index[rows], chunk=chunk):
+            yield start, indices
+
+    return search
 
 
 def retrieval_metrics(
@@ -135,7 +167,8 @@ def retrieval_metrics(
         if not (same and np.array_equal(query_labels, gallery_labels)):
             raise RetrievalInputError("exclude_self=True needs query and gallery to be the same set")
         self_index = np.arange(len(query_emb), dtype=np.int64)
-    return _score(query_emb, query_labels, gallery_emb, gallery_labels, _check_ks(ks), self_index, chunk)
+    search = exact_search(query_emb, gallery_emb, self_index, chunk)
+    return score_neighbours(query_labels, gallery_labels, self_index, _check_ks(ks), search)
 
 
 def harmonic_mean(values: Sequence[float]) -> float:
@@ -162,18 +195,19 @@ def query_gallery_masks(datasets: np.ndarray, roles: np.ndarray) -> tuple[np.nda
     return ~split | (roles == "query"), ~split | (roles == "gallery")
 
 
-def _pooled_metrics(
-    emb: np.ndarray,
+def pooled_metrics(
     labels: np.ndarray,
     is_query: np.ndarray,
     is_gallery: np.ndarray,
     ks: tuple[int, ...],
-    chunk: int,
+    searches: SearchFactory,
 ) -> dict[str, float]:
     """Metrics of the is_query items against the is_gallery items, each query's own item excluded."""
+    query_items, gallery_items = np.flatnonzero(is_query), np.flatnonzero(is_gallery)  # (Q,), (G,)
     gallery_row = np.cumsum(is_gallery) - 1  # (N,) row of each item in the gallery subset
-    self_index = np.where(is_gallery, gallery_row, -1)[is_query]
-    return _score(emb[is_query], labels[is_query], emb[is_gallery], labels[is_gallery], ks, self_index, chunk)
+    self_index = np.where(is_gallery, gallery_row, -1)[query_items]  # (Q,)
+    search = searches(query_items, gallery_items, self_index)
+    return score_neighbours(labels[query_items], labels[gallery_items], self_index, ks, search)
 
 
 def unified_labels(datasets: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -195,7 +229,25 @@ def evaluate_embeddings(
     """Per-dataset ("<dataset>/r@1"), unified ("unified/...") and harmonic ("harmonic/...") metrics."""
     emb = check_embeddings(emb, "emb")
     labels = _check_labels(labels, len(emb), "labels")
-    datasets, roles = _check_strings(datasets, len(emb), "datasets"), _check_strings(roles, len(emb), "roles")
+
+    def searches(query_items: np.ndarray, gallery_items: np.ndarray,
+                 self_index: np.ndarray) -> NeighbourSearch:
+        return exact_search(emb[query_items], emb[gallery_items], self_index, chunk)
+
+    return evaluate_protocol(labels, datasets, roles, ks, searches)
+
+
+def evaluate_protocol(
+    labels: np.ndarray,
+    datasets: np.ndarray,
+    roles: np.ndarray,
+    ks: Sequence[int],
+    searches: SearchFactory,
+) -> dict[str, float]:
+    """The evaluation protocol (module docstring) over any neighbour search of the N items."""
+    labels = _check_labels(labels, len(labels), "labels")
+    datasets = _check_strings(datasets, len(labels), "datasets")
+    roles = _check_strings(roles, len(labels), "roles")
     ks = _check_ks(ks)
     names = [str(name) for name in np.unique(datasets)]
     if set(names) & set(RESERVED_NAMES):
@@ -205,11 +257,11 @@ def evaluate_embeddings(
     for name in names:
         sel = datasets == name
         try:
-            per_dataset = _pooled_metrics(emb[sel], labels[sel], is_query[sel], is_gallery[sel], ks, chunk)
+            per_dataset = pooled_metrics(labels, is_query & sel, is_gallery & sel, ks, searches)
         except RetrievalInputError as err:
             raise RetrievalInputError(f"dataset {name!r}: {err}") from err
         out.update({f"{name}/{key}": value for key, value in per_dataset.items()})
-    unified = _pooled_metrics(emb, unified_labels(datasets, labels), is_query, is_gallery, ks, chunk)
+    unified = pooled_metrics(unified_labels(datasets, labels), is_query, is_gallery, ks, searches)
     out.update({f"unified/{key}": value for key, value in unified.items()})
     out.update({f"harmonic/{key}": harmonic_mean([out[f"{n}/{key}"] for n in names]) for key in unified})
     return out

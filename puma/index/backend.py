@@ -1,4 +1,6 @@
-"""The FAISS calls in one place: build, train (GPU k-means when FAISS sees GPUs), (de)serialise, tune.
+"""The FAISS calls in one place: build, train (GPU k-means when FAISS sees GPUs), (de)serialise, tune,
+search restricted to a set of ids (``id_selector``; FAISS GPU indexes ignore selectors, so restricted
+searches run on CPU copies of the shards).
 
 Only this module and ``search.py`` import faiss. GPUs are used when ``use_gpu`` is set and
 ``faiss.get_num_gpus() > 0`` (a faiss-gpu build on a GPU machine); otherwise everything runs on CPU.
@@ -94,3 +96,43 @@ def set_nprobe(index: faiss.Index, nprobe: int, on_gpu: bool) -> None:
         faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
     elif ivf_of(index) is not None:
         faiss.extract_index_ivf(index).nprobe = nprobe
+
+
+def id_selector(allowed: np.ndarray) -> faiss.IDSelector:
+    """A FAISS selector of the global ids whose entry in the bool mask ``allowed`` (N,) is True."""
+    bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # (ceil(N/8),) uint8
+    selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
+    selector.referenced_objects = [bits]  # the bitmap must live as long as the selector
+    return selector
+
+
+def search(index: faiss.Index, q: np.ndarray, k: int,
+           selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """index.search (Q, E) -> (Q, k) scores, ids; only ids the selector allows (CPU indexes only)."""
+    if selector is None:
+        return index.search(q, k)
+    # The C++ method: faiss.contrib.torch_utils (imported by pytorch-metric-learning) replaces
+    # Index.search process-wide with a version that takes no params.
+    q = np.ascontiguousarray(q, dtype=np.float32)  # (n, E)
+    n = len(q)
+    scores, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
+    index.search_c(n, faiss.swig_ptr(q), k, faiss.swig_ptr(scores), faiss.swig_ptr(ids),
+                   faiss.SearchParameters(sel=selector))
+    return scores, ids
+
+
+def search_preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, lists: np.ndarray,
+                       coarse_scores: np.ndarray,
+                       selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Scan the given lists (Q, nprobe) of an IVF index; only ids the selector allows."""
+    if selector is None:
+        return ivf.search_preassigned(q, k, lists, coarse_scores)
+    n = len(q)  # the Python wrapper refuses params here, so call the C++ method with them
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    scores, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
+    lists = np.ascontiguousarray(lists, dtype=np.int64)  # (n, nprobe)
+    coarse_scores = np.ascontiguousarray(coarse_scores, dtype=np.float32)  # (n, nprobe)
+    params = faiss.SearchParametersIVF(sel=selector, nprobe=lists.shape[1])
+    ivf.search_preassigned_c(n, faiss.swig_ptr(q), k, faiss.swig_ptr(lists), faiss.swig_ptr(coarse_scores),
+                             faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params)
+    return scores, ids

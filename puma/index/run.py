@@ -1,13 +1,16 @@
 """What ``jobs/search.py`` does: load queries, search the sharded index, write a results table.
 
 Queries are stored vectors (a ``.npy`` (Q, E) float array, or an embeddings Parquet with item_id
-and embedding) or item ids already in the index (their stored embeddings, the item itself left
-out). Results are one Parquet row per (query, rank): query, rank, item_id, score.
+and embedding), item ids already in the index (their stored embeddings, the item itself left
+out), or image files embedded in-process with a checkpoint's model (puma.inference.query).
+Results are one Parquet row per (query, rank): query, rank, item_id, score; optionally a
+retrieval grid PNG (puma.index.grid) of the queries and their results.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import time
 from dataclasses import dataclass
 
@@ -16,9 +19,24 @@ import pyarrow as pa
 
 from puma import storage
 from puma.config import IndexConfig
+from puma.index.grid import GridItem, retrieval_grid, write_grid
 from puma.index.plan import IndexInputError
 from puma.index.search import ShardedIndex
-from puma.index.table import ITEM_ID, check_table, embedding_matrix, read_table, to_parquet_bytes
+from puma.index.table import (
+    DATASET,
+    IMAGE_ROW,
+    IMAGE_URI,
+    ITEM_ID,
+    LABEL,
+    NO_LABEL,
+    check_table,
+    embedding_matrix,
+    read_table,
+    to_parquet_bytes,
+)
+
+log = logging.getLogger(__name__)
+GRID_COLUMNS = [ITEM_ID, DATASET, LABEL, IMAGE_URI, IMAGE_ROW]
 
 
 @dataclass
@@ -29,6 +47,7 @@ class SearchOutcome:
     results: pa.Table  # query, rank, item_id, score
     index_items: int
     index_shards: int
+    grid_uri: str = ""  # the retrieval grid PNG, when one was asked for
 
 
 def load_queries(uri: str) -> tuple[list[str], np.ndarray]:
@@ -51,19 +70,74 @@ def results_table(queries: list[str], scores: np.ndarray, item_ids: np.ndarray) 
 
 
 def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[str] | None = None,
-               out_uri: str = "", include_self: bool = False) -> SearchOutcome:
-    """Search ``cfg.uri`` for the queries (a file or item ids) and write the results Parquet."""
-    if bool(queries_uri) == bool(item_ids):
-        raise IndexInputError("give exactly one of a queries file (--queries) or item ids (--item-id)")
+               out_uri: str = "", include_self: bool = False, image_uris: list[str] | None = None,
+               checkpoint: str = "", grid_uri: str = "") -> SearchOutcome:
+    """Search ``cfg.uri`` for the queries (a file, item ids or images) and write the results Parquet."""
+    if sum(map(bool, (queries_uri, item_ids, image_uris))) != 1:
+        raise IndexInputError("give exactly one kind of query: a queries file (--queries), item ids "
+                              "(--item-id) or image files (--image)")
     index = ShardedIndex.open(cfg.uri, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu, query_chunk=cfg.query_chunk)
     if item_ids:
         names = list(item_ids)
         scores, found = index.search_by_item_id(names, k, exclude_self=not include_self)
     else:
-        names, vectors = load_queries(queries_uri)
+        names, vectors = (embed_query_images(image_uris, checkpoint) if image_uris
+                          else load_queries(queries_uri))
+        if image_uris:
+            check_query_model(index, checkpoint, vectors.shape[1])
         scores, found = index.search(vectors, k)
     table = results_table(names, scores, found)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_uri = out_uri or storage.join("artifacts", "search", f"search-{stamp}.parquet")
     storage.write_bytes(out_uri, to_parquet_bytes(table))
-    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards))
+    if grid_uri:
+        queries = (indexed_items(index, names) if item_ids
+                   else [GridItem(name, name if image_uris else "") for name in names])
+        write_grid(grid_uri, retrieval_grid(queries, result_items(index, scores, found)))
+    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards), grid_uri)
+
+
+def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str], np.ndarray]:
+    """Image files -> (names, (Q, E) vectors) with the checkpoint's model and eval view."""
+    if not checkpoint:
+        raise IndexInputError("searching by image needs a checkpoint (--checkpoint URI)")
+    from puma.checkpoint import load_model  # torch / timm only when searching by image
+    from puma.inference.query import embed_images
+
+    model, model_cfg = load_model(checkpoint)
+    return embed_images(model, model_cfg, image_uris)
+
+
+def check_query_model(index: ShardedIndex, checkpoint: str, dim: int) -> None:
+    """Refuse query embeddings of another size than the index's; warn when the model ids differ."""
+    model_id = index.manifest.model_id
+    if dim != index.dim:
+        raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index.uri} holds "
+                              f"{index.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
+                              f"the checkpoint the index was built with")
+    if model_id and model_id != checkpoint:
+        log.warning("index %s was built by model %r; the queries are embedded by %s", index.uri, model_id,
+                    checkpoint)
+
+
+def indexed_items(index: ShardedIndex, item_ids: list[str]) -> list[GridItem]:
+    """Grid items of indexed items: their dataset, label and image location from the shards."""
+    rows = index.rows(index.lookup(item_ids), GRID_COLUMNS).to_pylist()
+    return [GridItem(item_id=str(r[ITEM_ID]), image_uri=r[IMAGE_URI] or "",
+                     image_row=-1 if r[IMAGE_ROW] is None else int(r[IMAGE_ROW]), dataset=r[DATASET] or "",
+                     label=NO_LABEL if r[LABEL] is None else int(r[LABEL])) for r in rows]
+
+
+def result_items(index: ShardedIndex, scores: np.ndarray, found: np.ndarray) -> list[list[GridItem]]:
+    """Grid items of every (query, rank) result, ranks and scores set; missing results ('') left out."""
+    present = found != ""  # (Q, k)
+    items = iter(indexed_items(index, [str(x) for x in found[present]]))
+    rows = []
+    for q in range(len(found)):
+        row = []
+        for rank in np.flatnonzero(present[q]):
+            item = next(items)
+            item.rank, item.score = int(rank) + 1, float(scores[q, rank])
+            row.append(item)
+        rows.append(row)
+    return rows

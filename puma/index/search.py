@@ -7,6 +7,11 @@ whole. Flat shards are exact, so the merged result equals one exact index over a
 
 Missing results (fewer than k candidates in the probed lists) come back as id -1 / item id ''
 with score -inf (ip) or +inf (l2).
+
+``allowed`` (a bool mask over global ids) restricts a search to some items through FAISS ID
+selectors, e.g. one dataset's gallery in evaluation. FAISS GPU indexes ignore selectors, so an
+index opened on GPU with ``keep_cpu=True`` runs restricted searches (and k above the GPU limit) on
+its CPU copies; without them such a search is refused.
 """
 
 from __future__ import annotations
@@ -46,32 +51,41 @@ class ShardedIndex:
     """The committed shards of one index, searched together (``ShardedIndex.open(uri)``)."""
 
     def __init__(self, uri: str, manifest: Manifest, trained: faiss.Index, shards: list[faiss.Index],
-                 item_ids: pa.Array, on_gpu: bool, nprobe: int, query_chunk: int = 65536) -> None:
+                 item_ids: pa.Array, on_gpu: bool, nprobe: int, query_chunk: int = 65536,
+                 cpu_shards: list[faiss.Index] | None = None) -> None:
         self.uri, self.manifest, self.on_gpu = uri, manifest, on_gpu
         self.nprobe, self.query_chunk = nprobe, query_chunk
         self._trained = trained  # owns the shared coarse quantizer
-        ivf = None if on_gpu else backend.ivf_of(trained)
-        self._coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
+        ivf = backend.ivf_of(trained)
+        self._cpu_coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
+        self._coarse = None if on_gpu else self._cpu_coarse
         self._shards = shards
+        self._cpu_shards = shards if not on_gpu else cpu_shards  # for selector searches
         self._item_ids = item_ids  # (N,) item id of each global id
         self._starts = np.array([s.id_start for s in manifest.shards], dtype=np.int64)
 
     @classmethod
     def open(cls, uri: str, nprobe: int = 16, use_gpu: bool = True, check: bool = False,
-             query_chunk: int = 65536) -> ShardedIndex:
-        """Load every committed shard (checksums checked as loaded; ``check`` runs a full verify)."""
+             query_chunk: int = 65536, keep_cpu: bool = False) -> ShardedIndex:
+        """Load every committed shard (checksums checked as loaded; ``check`` runs a full verify).
+
+        ``keep_cpu``: on GPU, also keep the CPU shards for restricted (``allowed``) searches.
+        """
         if check:
             verify(uri).raise_if_bad()
         manifest = read_manifest(uri)
         if not manifest.shards:
             raise IndexInputError(f"index {uri} has no shards yet; add items before searching")
         trained = backend.deserialize(_read_checked(uri, manifest.trained))
-        shards, on_gpu = [], False
+        shards, cpu_shards, on_gpu = [], [], False
         for shard in manifest.shards:
-            index, on_gpu = backend.to_search_device(backend.deserialize(_read_checked(uri, shard.index)),
-                                                     use_gpu)
+            cpu_index = backend.deserialize(_read_checked(uri, shard.index))
+            index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
             shards.append(index)
-        return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest), on_gpu, nprobe, query_chunk)
+            if keep_cpu:
+                cpu_shards.append(cpu_index)
+        return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest), on_gpu, nprobe, query_chunk,
+                   cpu_shards if keep_cpu else None)
 
     @property
     def ntotal(self) -> int:
@@ -86,32 +100,51 @@ class ShardedIndex:
         scores, ids = self.search_ids(queries, k, nprobe)
         return scores, self.to_item_ids(ids)
 
-    def search_ids(self, queries: np.ndarray, k: int,
-                   nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k over all shards as global int64 ids: (Q, E) -> (Q, k) scores, (Q, k) ids."""
+    def search_ids(self, queries: np.ndarray, k: int, nprobe: int | None = None,
+                   allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k over all shards as global int64 ids: (Q, E) -> (Q, k) scores, (Q, k) ids.
+
+        ``allowed``: bool (N,) over global ids; only those are returned (-1 pads when fewer than k).
+        """
         q = self._check_queries(queries, k)
-        parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe or self.nprobe)
+        selector = None if allowed is None else backend.id_selector(self._check_allowed(allowed))
+        parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe or self.nprobe, selector)
                  for i in range(0, len(q), self.query_chunk)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-    def _search_chunk(self, q: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search_chunk(self, q: np.ndarray, k: int, nprobe: int,
+                      selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
+        on_cpu = not self.on_gpu or selector is not None or k > backend.GPU_MAX_K
+        shards, coarse = (self._cpu_shards, self._cpu_coarse) if on_cpu else (self._shards, self._coarse)
         if self.manifest.nlist:  # IVF: every shard visits the same nprobe lists
             nprobe = min(nprobe, self.manifest.nlist)
-            for shard in self._shards:
-                backend.set_nprobe(shard, nprobe, self.on_gpu)
-        if self._coarse is None:
-            results = [shard.search(q, k) for shard in self._shards]
+            for shard in shards:
+                backend.set_nprobe(shard, nprobe, not on_cpu)
+        if coarse is None:
+            results = [backend.search(shard, q, k, selector) for shard in shards]
         else:
-            coarse_scores, lists = self._coarse.search(q, nprobe)  # (Q, nprobe) each, once for all shards
-            results = [backend.ivf_of(s).search_preassigned(q, k, lists, coarse_scores) for s in self._shards]
+            coarse_scores, lists = coarse.search(q, nprobe)  # (Q, nprobe) each, once for all shards
+            results = [backend.search_preassigned(backend.ivf_of(s), q, k, lists, coarse_scores, selector)
+                       for s in shards]
         return merge_topk([r[0] for r in results], [r[1] for r in results], k, self.manifest.metric == "ip")
+
+    def _check_allowed(self, allowed: np.ndarray) -> np.ndarray:
+        mask = np.asarray(allowed)
+        if mask.shape != (self.ntotal,) or mask.dtype != bool:
+            raise IndexInputError(f"allowed must be a bool mask of shape ({self.ntotal},) over global ids, "
+                                  f"got {mask.dtype} {mask.shape}")
+        if self._cpu_shards is None:
+            raise IndexInputError("FAISS GPU indexes ignore ID selectors: open the index with keep_cpu=True "
+                                  "(or use_gpu=False) to search a subset of its items")
+        return mask
 
     def _check_queries(self, queries: np.ndarray, k: int) -> np.ndarray:
         q = np.asarray(queries)
         if q.ndim != 2 or q.shape[1] != self.dim or not np.issubdtype(q.dtype, np.floating):
             raise IndexInputError(f"queries must be a float (Q, {self.dim}) array, got {q.dtype} {q.shape}")
-        if not 1 <= k <= self.ntotal or (self.on_gpu and k > backend.GPU_MAX_K):
-            limit = min(self.ntotal, backend.GPU_MAX_K) if self.on_gpu else self.ntotal
+        gpu_only = self.on_gpu and self._cpu_shards is None
+        if not 1 <= k <= self.ntotal or (gpu_only and k > backend.GPU_MAX_K):
+            limit = min(self.ntotal, backend.GPU_MAX_K) if gpu_only else self.ntotal
             raise IndexInputError(f"k must be in [1, {limit}] for this index, got {k}")
         if not np.isfinite(q).all():
             raise IndexInputError("queries have NaN or Inf values")
@@ -136,16 +169,30 @@ class ShardedIndex:
 
     def embeddings(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
         """Stored embeddings of indexed items (n,) -> (n, E) float32, read from the shards' Parquet."""
-        ids = self.lookup(item_ids)
+        return embedding_matrix(self.rows(self.lookup(item_ids), [ITEM_ID, EMBEDDING]))
+
+    def rows(self, ids: np.ndarray, columns: list[str]) -> pa.Table:
+        """Stored columns of items by global id (n,), in that order; a column a shard lacks is null."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return pa.table({name: pa.nulls(0) for name in columns})
         shard_of = np.searchsorted(self._starts, ids, side="right") - 1  # (n,)
-        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        parts, order = [], []
         for s in np.unique(shard_of):
             rows = np.flatnonzero(shard_of == s)
             entry = self.manifest.shards[s]
-            part = read_rows(_path(self.uri, entry.embeddings), ids[rows] - entry.id_start,
-                             [ITEM_ID, EMBEDDING])
-            out[rows] = embedding_matrix(part)
-        return out
+            part = read_rows(_path(self.uri, entry.embeddings), ids[rows] - entry.id_start, columns,
+                             missing_ok=True)
+            parts.append(part)
+            order.append(rows)
+        table = pa.concat_tables(parts, promote_options="permissive")
+        return table.take(pa.array(np.argsort(np.concatenate(order), kind="stable")))
+
+    def table(self, columns: list[str], missing_ok: bool = False) -> pa.Table:
+        """Stored columns of every item in global id order (``missing_ok``: absent columns are null)."""
+        parts = [read_columns(_path(self.uri, shard.embeddings), columns, missing_ok)
+                 for shard in self.manifest.shards]
+        return pa.concat_tables(parts, promote_options="permissive")
 
     def search_by_item_id(self, item_ids: list[str] | np.ndarray, k: int, exclude_self: bool = True,
                           nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:

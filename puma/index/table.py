@@ -131,18 +131,33 @@ def to_parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def read_columns(uri: str, columns: list[str]) -> pa.Table:
-    """Some columns of one Parquet file (local or s3://), read without the others."""
-    fs, path = storage.resolve(uri)
-    with fs.open_input_file(path) as f:
-        return pq.read_table(f, columns=columns)
+def read_columns(uri: str, columns: list[str], missing_ok: bool = False) -> pa.Table:
+    """Some columns of one Parquet file (local or s3://), read without the others.
 
-
-def read_rows(uri: str, rows: np.ndarray, columns: list[str]) -> pa.Table:
-    """Rows (in the given order) of one Parquet file, reading only the row groups that hold them."""
+    ``missing_ok``: columns the file lacks come back as all-null columns instead of raising.
+    """
     fs, path = storage.resolve(uri)
     with fs.open_input_file(path) as f:
         pf = pq.ParquetFile(f)
+        present = [c for c in columns if c in pf.schema_arrow.names] if missing_ok else columns
+        part = pf.read(columns=present)
+    for name in columns:
+        if name not in part.column_names:
+            part = part.append_column(name, pa.nulls(len(part)))
+    return part.select(columns)
+
+
+def read_rows(uri: str, rows: np.ndarray, columns: list[str], missing_ok: bool = False) -> pa.Table:
+    """Rows (in the given order) of one Parquet file, reading only the row groups that hold them.
+
+    ``missing_ok``: columns the file lacks come back as all-null columns instead of raising.
+    """
+    fs, path = storage.resolve(uri)
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f)
+        wanted = columns
+        if missing_ok:
+            columns = [c for c in columns if c in pf.schema_arrow.names]
         sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
         starts = np.concatenate([[0], np.cumsum(sizes)])  # (G+1,)
         group_of = np.searchsorted(starts, rows, side="right") - 1  # row group of each row
@@ -150,4 +165,8 @@ def read_rows(uri: str, rows: np.ndarray, columns: list[str]) -> pa.Table:
         part = pf.read_row_groups([int(g) for g in groups], columns=columns)
     base = np.concatenate([[0], np.cumsum(sizes[groups])])[:-1]  # where each group starts in part
     local = base[np.searchsorted(groups, group_of)] + rows - starts[group_of]
-    return part.take(pa.array(local.astype(np.int64)))
+    part = part.take(pa.array(local.astype(np.int64)))
+    for name in wanted:
+        if name not in part.column_names:
+            part = part.append_column(name, pa.nulls(len(part)))
+    return part.select(wanted)

@@ -1,0 +1,62 @@
+"""Evaluate through a sharded index: `python jobs/evaluate.py [--index URI] [--config FILE] [key=value ...]`.
+
+Recall@k, MAP@R and R-Precision per dataset, unified and harmonic (definitions in
+puma/eval/metrics.py), every neighbour searched through the index at index.uri (or --index).
+With --embed, or when no index exists there yet, the test split of data.uri is first embedded
+into it (puma.inference). Metrics go to <index>/evaluation.json, or --out.
+Example: `python jobs/evaluate.py --index artifacts/index/demo index.nprobe=32`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from puma.cli import job_parser, parse_job_args  # noqa: E402
+from puma.config import Config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, (embed,) evaluate, print the table and where the metrics went."""
+    parser = job_parser(__doc__.splitlines()[0])
+    parser.add_argument("--index", default="", help="index folder (local or s3://); default: index.uri")
+    parser.add_argument("--out", default="", help="metrics JSON URI (default: <index>/evaluation.json)")
+    parser.add_argument("--embed", action="store_true", help="embed the test split of data.uri first")
+    parser.add_argument("--checkpoint", default="",
+                        help="checkpoint to embed with (default: embed.checkpoint)")
+    args, cfg = parse_job_args(parser, argv)
+    if cfg is None:
+        return 0
+    from puma import storage
+    from puma.eval.index_eval import metrics_table, run_evaluation
+    from puma.index.manifest import has_manifest
+
+    storage.configure(cfg.storage)
+    uri = args.index or cfg.index.uri
+    try:
+        if args.embed or not has_manifest(uri):
+            embed_test_split(cfg, uri, args.checkpoint)
+        metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, args.out, cfg.eval.query_chunk)
+    except ValueError as exc:  # bad index, labels or inputs: say what is wrong, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(metrics_table(metrics))
+    print(f"[puma] evaluated {uri} (index.nprobe={cfg.index.nprobe})")
+    print(f"[puma] metrics: {out_uri}")
+    return 0
+
+
+def embed_test_split(cfg: Config, uri: str, checkpoint: str) -> None:
+    """Embed the test split of data.uri into the index at ``uri`` (jobs/embed.py's library call)."""
+    from puma.inference import embed_catalogue
+
+    report = embed_catalogue(cfg, cfg.data.uri, index_uri=uri, checkpoint=checkpoint or None, split="test")
+    print(f"[puma] embedded {report.embedded} test images of {cfg.data.uri} into {report.index_uri} "
+          f"({report.skipped_indexed} already indexed, {report.rejected} rejected, "
+          f"{report.total} in the index)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
