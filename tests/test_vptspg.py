@@ -396,3 +396,12 @@ def without_key_bias(key: str, value: torch.Tensor) -> torch.Tensor:
         return value
     q, _, v = value.chunk(3)
     return torch.cat([q, v])
+
+
+def test_other_methods_keep_the_plain_train_module():
+    from puma.losses.factory import MetricLoss
+    from puma.train.step import TrainModule
+
+    cfg = dataclasses.replace(Config(), model=tiny_model_config())
+    module = build_train_module(cfg, build_model(cfg.model), NUM_CLASSES)
+    assert type(module) is TrainModule and isinstance(module.loss, MetricLoss)
