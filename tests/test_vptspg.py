@@ -330,6 +330,28 @@ def test_checkpoint_round_trip_embeds_the_same_and_restores_the_bank(tmp_path):
     assert saved["class_prompts.table"].shape == (8, 2, 2, 48)  # (C, CLS-L, m, D)
 
 
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    """2 steps, save, load into a fresh module and optimiser, 2 steps == 4 steps without a break."""
+    cfg = vptspg_config(bitfit=True)
+    straight, opt = build(cfg)
+    for step in range(4):
+        train_step(straight, opt, *batch(step), clip_value=1.0)
+    first, opt = build(cfg)
+    for step in range(2):
+        train_step(first, opt, *batch(step), clip_value=1.0)
+    uri = save_checkpoint(str(tmp_path / "ckpt"), CheckpointState(
+        config=cfg, model=trainable_state_dict(first.model), loss=first.loss.state_dict(),
+        optimizer=opt.state_dict()))
+    ckpt = read_checkpoint(uri, with_optimizer=True)
+    resumed, opt = build(cfg, seed=1)
+    resumed.model.load_state_dict(ckpt.model, strict=False)
+    resumed.loss.load_state_dict(ckpt.loss)
+    opt.load_state_dict(ckpt.optimizer)
+    for step in range(2, 4):
+        train_step(resumed, opt, *batch(step), clip_value=1.0)
+    assert_states_equal(_ddp_state(resumed), _ddp_state(straight), atol=0)
+
+
 def test_bank_refuses_a_table_of_another_shape():
     bank = ClassPromptBank(torch.zeros(4, 2, 1, 8))
     with pytest.raises(ValueError, match=r"does not fit this bank \(4, 2, 1, 8\)"):

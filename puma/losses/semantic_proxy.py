@@ -16,7 +16,8 @@ For a global batch of embeddings x (B, E), semantic proxies p (B, E) and labels 
 
 The loss holds the class-prompt bank (``class_prompts``): it is state of the training, not of the
 model, and lives outside DDP; its tensors are saved and loaded with this module's state_dict
-(keys ``class_prompts.*``), so checkpoints carry it as safetensors like the proxies.
+(keys ``class_prompts.*``, and the feeding-order generator's state), so checkpoints carry it as
+safetensors like the proxies, and a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from puma.losses.curricularface import check_embeddings_labels
 
 PA_MARGIN, PA_ALPHA = 0.1, 32.0
 BANK_PREFIX = "class_prompts."
+ORDER_RNG_KEY = "feeding_order_rng"  # the generator state of the feeding order (exact resume)
 Fuse = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -114,7 +116,8 @@ class SemanticProxyLoss(nn.Module):
 
 
 def _save_bank(module: SemanticProxyLoss, state: dict, prefix: str, local_metadata: dict) -> None:
-    """state_dict hook: add the bank's tensors under ``class_prompts.``."""
+    """state_dict hook: add the bank's tensors under ``class_prompts.`` and the generator state."""
+    state[prefix + ORDER_RNG_KEY] = module.generator.get_state()  # uint8 tensor
     if module.class_prompts is not None:
         for key, value in module.class_prompts.state_dict().items():
             state[prefix + BANK_PREFIX + key] = value
@@ -122,6 +125,8 @@ def _save_bank(module: SemanticProxyLoss, state: dict, prefix: str, local_metada
 
 def _load_bank(module: SemanticProxyLoss, state: dict, prefix: str, *args: Any) -> None:
     """load_state_dict pre-hook: hand the ``class_prompts.`` tensors to the bank."""
+    if prefix + ORDER_RNG_KEY in state:
+        module.generator.set_state(state.pop(prefix + ORDER_RNG_KEY))
     start = prefix + BANK_PREFIX
     bank = {k[len(start):]: state.pop(k) for k in [k for k in state if k.startswith(start)]}
     if bank and module.class_prompts is not None:
