@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from test_train_job import tiny_data  # noqa: F401 (fixture)
 from tiny import tiny_images, tiny_model_config
 
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, read_checkpoint, save_checkpoint
@@ -427,3 +428,28 @@ def test_other_methods_keep_the_plain_train_module():
     cfg = dataclasses.replace(Config(), model=tiny_model_config())
     module = build_train_module(cfg, build_model(cfg.model), NUM_CLASSES)
     assert type(module) is TrainModule and isinstance(module.loss, MetricLoss)
+
+
+# ----------------------------------------------------------------------------- the training job
+
+
+def test_training_job_fits_and_its_checkpoint_embeds(ray_cluster, tiny_data, tmp_path):  # noqa: F811
+    """run_training (Ray Train, real images) with model.method=vptsp_g: 1 epoch of 2 steps, then reload."""
+    import yaml
+    from test_train_job import tiny_config as job_config
+
+    from puma.train.driver import run_training
+
+    path = job_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs=1)
+    data = yaml.safe_load(path.read_text())
+    data["model"].update(method="vptsp_g", vptsp_g=SMALL)
+    data["loss"] = {"name": "proxy_anchor"}
+    data["train"]["max_steps_per_epoch"] = 2
+    path.write_text(yaml.safe_dump(data))
+    outcome = run_training(load_config(path))
+    assert outcome.metrics["train/steps"] == 2 and math.isfinite(outcome.metrics["train/loss"])
+    model, _ = load_model(outcome.last_checkpoint)  # verifies the probe embeddings
+    assert isinstance(model, VptspgModel)
+    bank = read_checkpoint(outcome.last_checkpoint).loss
+    assert int(bank["class_prompts.steps"].sum()) > 0  # the batch's classes were trained
+    assert bank["class_prompts.table"].shape == (3, 2, 2, 48)  # 3 training classes
