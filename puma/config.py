@@ -131,6 +131,44 @@ class VptConfig:
         _check_range("model.vpt.length", self.length, 1, 1024)
 
 
+VPTSP_FUSIONS = ("gru", "ema")
+
+
+@dataclass
+class VptspgConfig:
+    """VPTSP-G (Ren et al., ICLR 2024): VPT prompts + class-based prompts that make semantic proxies.
+
+    Names follow the paper: N prompts in each of L layers (image path), m class-based prompts in
+    each of CLS-L layers (proxy path), GRU (ReLU candidate, Eq. 4-7) or EMA (Eq. 3, lambda) fusion
+    into the proxy memory, proxy-bias ratio alpha (Eq. 8), BitFit, and the CPU memory bank of
+    class prompts (section 4.4).
+    """
+
+    prompt_length: int = 10  # N, visual prompts per layer (paper Table 1: VPT L:12, N:10)
+    prompt_layers: Optional[int] = None  # L, the first L blocks get fresh prompts; None: every block
+    class_prompt_length: int = 1  # m (CLS-N), class-based prompts per layer
+    class_prompt_layers: int = 6  # CLS-L, the first CLS-L blocks get fresh class prompts
+    fusion: str = "gru"  # gru (VPTSP-G, Eq. 4-7) | ema (VPTSP-M, Eq. 3)
+    gru_activation: str = "relu"  # GRU candidate activation: relu (the paper's) | tanh (a plain GRU)
+    ema_lambda: float = 0.1  # lambda of Eq. 3: P_i = normal(P_{i-1} + (1 - lambda) p_i)
+    proxy_bias_ratio: float = 0.5  # alpha of Eq. 8: Q = normal((1 - alpha) P + alpha O)
+    bitfit: bool = True  # also train every backbone bias ("(B)" rows of the paper)
+    memory_bank: bool = True  # class prompts and their AdamW state on CPU; only the batch's on device
+
+    def __post_init__(self) -> None:
+        p = "model.vptsp_g"
+        _check_range(f"{p}.prompt_length", self.prompt_length, 1, 1024)
+        _check(self.prompt_layers is None or self.prompt_layers >= 1,
+               f"{p}.prompt_layers={self.prompt_layers!r} must be >= 1 or null (every block)")
+        _check_range(f"{p}.class_prompt_length", self.class_prompt_length, 1, 1024)
+        _check(self.class_prompt_layers >= 1, f"{p}.class_prompt_layers={self.class_prompt_layers!r} "
+                                              "must be >= 1")
+        _check_choice(f"{p}.fusion", self.fusion, VPTSP_FUSIONS)
+        _check_choice(f"{p}.gru_activation", self.gru_activation, ("relu", "tanh"))
+        _check_range(f"{p}.ema_lambda", self.ema_lambda, 0.0, 1.0)
+        _check_range(f"{p}.proxy_bias_ratio", self.proxy_bias_ratio, 0.0, 1.0)
+
+
 @dataclass
 class ModelConfig:
     method: str = "puma"
@@ -140,6 +178,7 @@ class ModelConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     vpt: VptConfig = field(default_factory=VptConfig)
+    vptsp_g: VptspgConfig = field(default_factory=VptspgConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.method), "model.method must be set, e.g. 'puma'")
@@ -365,6 +404,11 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.model.method != "vptsp_g" or self.loss.name == "proxy_anchor",
+               f"model.method=vptsp_g trains with Proxy-Anchor against its semantic proxies; set "
+               f"loss.name=proxy_anchor (got {self.loss.name!r})")
 
 
 # ----------------------------------------------------------------------------- machinery

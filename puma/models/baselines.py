@@ -18,6 +18,9 @@ adaptformer     PUMA's adapters with keep_prob = 1, no prompt      adapters, hea
                 pool (adapter: rank, scale, blocks)
 bitfit          frozen backbone, bias terms unfrozen               backbone biases, head
 full_finetune   the whole backbone trains (Table 2(a), 2(b))       every parameter
+vptsp_g         VPTSP-G (ICLR 2024): deep visual prompts; class    prompts, proxy head, GRU,
+                prompts -> semantic proxies (vptsp_g)              head, class prompts (bank),
+                                                                   backbone biases (bitfit)
 ==============  ================================================  ================================
 
 A method ignores the sections it does not read (``linear`` builds no adapters whatever
@@ -41,6 +44,7 @@ from puma.models.head import EmbeddingHead
 from puma.models.lora import inject_lora
 from puma.models.puma_model import METHODS, PumaModel, _build_puma
 from puma.models.vpt import VptModel, build_visual_prompts
+from puma.models.vptspg import build_vptspg
 
 MLP_HIDDEN_DIM = 2048
 MLP_LAYERS = 3
@@ -108,6 +112,7 @@ BASELINES = {
     "adaptformer": _adaptformer,
     "bitfit": _plain,
     "full_finetune": _plain,
+    "vptsp_g": build_vptspg,  # puma/models/vptspg.py (model.vptsp_g)
 }
 
 

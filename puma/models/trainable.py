@@ -7,6 +7,12 @@ Parts and the optimiser group each lands in (puma.optim.build_optimizer):
     prompt_pool       PUMA's conditional prompt pool (PromptPool)       modules
     vpt_prompts       VPT prompt tokens (VisualPrompts)                 modules
     lora              LoRA branches (LoraBranch)                        modules
+    proxy_head        VPTSP-G's proxy-tower head (ProxyHead)            modules
+    gru               VPTSP-G's proxy fusion GRU (SemanticProxyGRU)     modules
+    class_prompts     VPTSP-G's class-based prompts: no model           (own row-wise AdamW,
+                      parameter; held by the ClassPromptBank            lr of "modules")
+                      (puma/train/memory_bank.py) outside the model
+                      and DDP, only the batch's classes on the device
     head              the embedding head (linear or MLP)                head
     backbone_biases   every bias of the backbone (BitFit)               backbone
     backbone          every backbone parameter (full fine-tuning)       backbone
@@ -16,6 +22,9 @@ parameter in the backbone and the embedding layer is fully updated"; in the rele
 norm freeze is undone for every parameter in the optimiser when the backbone is not frozen);
 LayerNorm has no running statistics, so PumaModel keeping norms in eval mode changes nothing.
 BitFit's biases include the LayerNorm biases (Ben Zaken et al. 2022 tune every bias term).
+
+A method may add parts from its model's options (METHOD_OPTIONS): VPTSP-G with
+``model.vptsp_g.bitfit`` also trains ``backbone_biases`` (the paper's "(B)" rows).
 """
 
 from __future__ import annotations
@@ -31,12 +40,15 @@ from puma.models.lora import LoraBranch
 from puma.models.prompt_pool import PromptPool
 from puma.models.puma_model import PumaModel
 from puma.models.vpt import VisualPrompts
+from puma.models.vptspg import ProxyHead, SemanticProxyGRU
 
 PEFT_PARTS: dict[str, type[nn.Module]] = {
     "adapters": StochasticAdapter,
     "prompt_pool": PromptPool,
     "vpt_prompts": VisualPrompts,
     "lora": LoraBranch,
+    "proxy_head": ProxyHead,
+    "gru": SemanticProxyGRU,
 }
 PEFT_MODULE_TYPES: tuple[type[nn.Module], ...] = tuple(PEFT_PARTS.values())
 
@@ -51,6 +63,12 @@ METHOD_TRAINABLE: dict[str, tuple[str, ...]] = {
     "adaptformer": ("adapters", "head"),
     "bitfit": ("backbone_biases", "head"),
     "full_finetune": ("backbone", "head"),
+    "vptsp_g": ("vpt_prompts", "class_prompts", "proxy_head", "gru", "head"),
+}
+
+# Parts a method adds from its model's options (read from the built model).
+METHOD_OPTIONS: dict[str, Callable[[nn.Module], tuple[str, ...]]] = {
+    "vptsp_g": lambda m: ("backbone_biases",) if getattr(m, "bitfit", False) else (),
 }
 
 
@@ -76,6 +94,7 @@ PART_PARAMETERS: dict[str, Callable[[PumaModel], Iterable[nn.Parameter]]] = {
     "head": lambda m: m.head.parameters(),
     "backbone_biases": _backbone_biases,
     "backbone": _backbone_weights,
+    "class_prompts": lambda m: (),  # held by the ClassPromptBank, not by the model (see above)
 }
 
 
@@ -87,9 +106,15 @@ def method_parts(method: str) -> tuple[str, ...]:
     return METHOD_TRAINABLE[method]
 
 
+def model_parts(model: PumaModel) -> tuple[str, ...]:
+    """The parts ``model`` trains: its method's declared parts plus those its options add."""
+    options = METHOD_OPTIONS.get(model.method)
+    return method_parts(model.method) + (options(model) if options else ())
+
+
 def mark_trainable(model: PumaModel) -> None:
-    """Freeze everything, then unfreeze exactly the parts ``model.method`` declares."""
-    parts = method_parts(model.method)
+    """Freeze everything, then unfreeze exactly the parts ``model.method`` (and its options) declare."""
+    parts = model_parts(model)
     _check_no_undeclared_modules(model, parts)
     model.requires_grad_(False)
     for part in parts:

@@ -25,11 +25,10 @@ from puma.checkpoint import (
 from puma.config import Config, from_dict, to_dict
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
-from puma.losses import build_loss
 from puma.models import build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler
-from puma.train.step import TrainModule, train_step
+from puma.train.step import TrainModule, build_train_module, train_step
 
 BEST_DIR = "best"
 _writers: dict[str, Any] = {}
@@ -54,9 +53,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     device = ray.train.torch.get_device()
     model = build_model(cfg.model)
-    loss = build_loss(cfg.loss, loop_config["num_classes"], cfg.model.head.embed_dim)
-    module = TrainModule(model, loss)
-    optimizer = build_optimizer(trainable_parameter_groups(model), loss, cfg.optim)
+    module = build_train_module(cfg, model, loop_config["num_classes"])
+    optimizer = build_optimizer(trainable_parameter_groups(model), module.loss, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
     state, optimizer_state = _maybe_resume(module, scheduler)
     module = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={"broadcast_buffers": False})

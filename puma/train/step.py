@@ -7,6 +7,7 @@ batch (DESIGN.md section 1).
 
 from __future__ import annotations
 
+import importlib
 from contextlib import nullcontext
 
 import torch
@@ -75,6 +76,24 @@ class TrainModule(nn.Module):
         aux = self.model.aux_loss()
         return {"loss": metric_loss + aux, "metric_loss": metric_loss.detach(), "aux_loss": aux.detach()}
 
+    def after_backward(self, optimizer: torch.optim.Optimizer, clip_value: float, grad_scale: float) -> None:
+        """Hook after backward and clipping, before the optimiser step (state outside DDP); none here."""
+
+
+# Methods with a train module of their own: model.method -> "module:builder(cfg, model, num_classes)".
+TRAIN_MODULES: dict[str, str] = {"vptsp_g": "puma.train.vptspg:build_vptspg_module"}
+
+
+def build_train_module(cfg, model: nn.Module, num_classes: int) -> TrainModule:
+    """``cfg.model.method``'s own train module, else model + ``build_loss(cfg.loss)`` in a TrainModule."""
+    target = TRAIN_MODULES.get(cfg.model.method)
+    if target is not None:
+        module_name, builder = target.split(":")
+        return getattr(importlib.import_module(module_name), builder)(cfg, model, num_classes)
+    from puma.losses import build_loss
+
+    return TrainModule(model, build_loss(cfg.loss, num_classes, cfg.model.head.embed_dim))
+
 
 def autocast_context(device: torch.device, precision: str):
     """bf16/fp16 autocast on CUDA; full precision elsewhere."""
@@ -101,6 +120,8 @@ def train_step(module: nn.Module, optimizer: torch.optim.Optimizer, images: torc
         loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     clip_gradients(params, clip_value)
+    getattr(module, "module", module).after_backward(optimizer, clip_value,
+                                                     scaler.get_scale() if scaler is not None else 1.0)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
