@@ -15,7 +15,8 @@ budget (``--force`` re-trains). A method whose config does not build (e.g. not i
 checkout) is reported as such, never silently left out.
 
 Per-method settings: ``configs/methods/<method>.yaml`` when it exists (its model section without
-the backbone, and any method sections, layered over configs/demo.yaml), else the overrides below.
+the backbone, its loss, its optimiser group multipliers ``optim.*_lr_mult`` and any method
+sections, layered over configs/demo.yaml), else the overrides below.
 Every method uses the demo's base learning rate (2e-5) except full fine-tuning, which keeps the
 paper's ratio between full fine-tuning and parameter-efficient rates (3e-5 / 1e-4 = 0.3).
 """
@@ -64,6 +65,9 @@ def method_layer(name: str) -> dict:
     layer = {k: v for k, v in data.items() if k not in DEMO_OWNED}
     if isinstance(layer.get("model"), dict):
         layer["model"] = {k: v for k, v in layer["model"].items() if k != "backbone"}
+    mults = {k: v for k, v in (data.get("optim") or {}).items() if k.endswith("_lr_mult")}
+    if mults:  # the method's own ratios between its groups; the base rate and schedule are the budget's
+        layer["optim"] = mults
     return layer
 
 
