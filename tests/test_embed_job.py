@@ -207,6 +207,27 @@ def test_killed_job_process_then_rerun_gives_every_item_exactly_once(ray_cluster
     assert verify(str(index)).ok
 
 
+def test_ivf_index_is_trained_once_on_a_sample_that_is_committed_first(ray_cluster, checkpoint, tmp_path):
+    first = image_catalogue(tmp_path, "ivf_a", n_real=2, n_generated=48)
+    second = image_catalogue(tmp_path, "ivf_b", n_real=0, n_generated=6)
+    cfg = embed_cfg(tmp_path, checkpoint, "index.index_type=ivf_flat", "index.nlist=1",
+                    "index.train_sample=40", "index.nprobe=1", "embed.commit_rows=100")
+    index = str(tmp_path / "index")
+    r1, r2 = embed_catalogue(cfg, str(first)), embed_catalogue(cfg, str(second))
+    manifest = read_manifest(index)
+    assert (manifest.index_type, manifest.nlist, manifest.train_count) == ("ivf_flat", 1, 40)
+    assert [s.count for s in manifest.shards] == [40, 10, 6]  # the training sample, the rest, catalogue 2
+    assert (r1.embedded, r2.embedded, manifest.total) == (50, 6, 56) and verify(index).ok
+    ids = stored(index)["item_id"].to_pylist()
+    assert len(set(ids)) == 56
+    table = stored(index)
+    emb = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(emb, reference_embeddings(checkpoint, table), atol=1e-5)
+    searcher = ShardedIndex.open(index, nprobe=1, use_gpu=False)
+    _, found = searcher.search(searcher.embeddings(["ivf_a/gen/001.png", "ivf_b/gen/002.png"]), k=1)
+    assert list(found[:, 0]) == ["ivf_a/gen/001.png", "ivf_b/gen/002.png"]
+
+
 def test_second_catalogue_is_added_without_re_embedding_the_first(ray_cluster, checkpoint, tmp_path):
     first = image_catalogue(tmp_path, "first", n_real=5, n_generated=7)
     second = image_catalogue(tmp_path, "second", n_real=0, n_generated=9)

@@ -208,7 +208,8 @@ def _embed_todo(run: _Run, todo: pa.Table) -> None:
     reject_log = _reject_log(run)
     if not has_manifest(run.index_uri):
         todo = _create_index(run, todo, reject_log)
-    _commit_stream(run, _stream(run, todo, reject_log))
+    if len(todo):
+        _commit_stream(run, _stream(run, todo, reject_log))
 
 
 def _create_index(run: _Run, todo: pa.Table, reject_log) -> pa.Table:
@@ -238,7 +239,9 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
     import ray.data
 
     cfg = run.cfg
-    use_gpu = cfg.embed.use_gpu and ray.cluster_resources().get("GPU", 0) > 0
+    resources = ray.cluster_resources()
+    use_gpu = cfg.embed.use_gpu and resources.get("GPU", 0) > 0
+    _warn_if_actors_take_every_cpu(cfg, resources.get("CPU", 0.0))
     rows = cfg.data.decode_batch_size
     blocks = [refs.slice(i, rows) for i in range(0, len(refs), rows)]  # one decode task each
     decode = functools.partial(read_and_decode, view=run.view, storage_cfg=storage.current_config(),
@@ -255,6 +258,15 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
     log.info("embedding %d item(s) on %d %s actor(s)", len(refs), cfg.embed.concurrency,
              "GPU" if use_gpu else "CPU")
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
+
+
+def _warn_if_actors_take_every_cpu(cfg: Config, cpus: float) -> None:
+    """Actors holding every CPU starve the decode tasks and the job hangs (NOTES.md): say so."""
+    wanted = cfg.embed.concurrency * cfg.embed.num_cpus + cfg.data.num_decode_cpus
+    if wanted > cpus:
+        log.warning("embed.concurrency x embed.num_cpus + data.num_decode_cpus = %.2f CPUs > the "
+                    "cluster's %.2f: unless the cluster grows, decode tasks cannot run beside the actors "
+                    "and the job waits; lower embed.num_cpus or embed.concurrency", wanted, cpus)
 
 
 def _commit_stream(run: _Run, batches) -> None:
