@@ -294,7 +294,8 @@ def test_s3_catalogue_and_index(ray_cluster, checkpoint, tmp_path, s3_server, s3
     assert verify(index).ok
     table = stored(index)
     assert table["image_uri"][0].as_py().startswith(catalogue)
-    assert embed_catalogue(cfg, catalogue).embedded == 0
+    again = watch(cfg, f"{s3_storage}/catalogues/")  # the s3:// prefix: one catalogue, nothing new
+    assert [(r.catalogue, r.embedded, r.skipped_indexed, r.error) for r in again] == [(catalogue, 0, 10, "")]
 
 
 def test_help_and_bad_config(capsys, tmp_path):

@@ -124,7 +124,7 @@ class Embedder:
         import torch
 
         with torch.inference_mode():
-            x = torch.from_numpy(np.ascontiguousarray(images, np.float32)).to(self.device)  # (B, 3, S, S)
+            x = torch.from_numpy(np.array(images, np.float32)).to(self.device)  # (B, 3, S, S), writable copy
             return self.model(x).float().cpu().numpy()  # (B, E), L2-normalised by the head
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
