@@ -202,14 +202,19 @@ def _todo(run: _Run, split: str) -> pa.Table:
 
 def _embed_todo(run: _Run, todo: pa.Table) -> None:
     """Train the index if it is new, then stream the rest in commits of embed.commit_rows."""
+    import ray
+
     from puma.runtime import init_ray
 
     init_ray()
     reject_log = _reject_log(run)
-    if not has_manifest(run.index_uri):
-        todo = _create_index(run, todo, reject_log)
-    if len(todo):
-        _commit_stream(run, _stream(run, todo, reject_log))
+    try:
+        if not has_manifest(run.index_uri):
+            todo = _create_index(run, todo, reject_log)
+        if len(todo):
+            _commit_stream(run, _stream(run, todo, reject_log))
+    finally:
+        ray.kill(reject_log)  # every decode task has recorded its rejects (ray.get) before returning
 
 
 def _create_index(run: _Run, todo: pa.Table, reject_log) -> pa.Table:
