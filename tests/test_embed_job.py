@@ -55,19 +55,23 @@ def _load_job():
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
+def make_checkpoint(uri: str, seed: int = 0) -> str:
     """A tiny PUMA checkpoint with perturbed (non-initial) trainable weights and its probe."""
     cfg = tiny_config()
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same random backbone for every seed
     model = build_model(cfg.model)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
     meta = {"probe": probe_embeddings(model, cfg.model.backbone.img_size), "backbone_weights": "none"}
-    uri = str(tmp_path_factory.mktemp("ckpt") / "best")
     return save_checkpoint(uri, CheckpointState(config=cfg, model=trainable_state_dict(model), meta=meta))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "best"))
 
 
 def image_catalogue(root: Path, name: str, n_real: int, n_generated: int, bad: bool = False) -> Path:
@@ -263,6 +267,12 @@ def test_unreadable_images_are_rejected_and_listed_and_the_job_completes(ray_clu
     assert len(ids) == 2 + 3 + 3 and not set(rows) & ids
     report = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(folder))  # rejects are not re-tried
     assert (report.embedded, report.skipped_rejected, report.rejected) == (0, 3, 3)
+    other = make_checkpoint(str(tmp_path / "other"), seed=1)  # another model must not join this index
+    assert checkpoint_id(other) != checkpoint_id(checkpoint)
+    assert checkpoint_id(make_checkpoint(str(tmp_path / "copy"))) == checkpoint_id(checkpoint)
+    rc = _load_job().main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
+                           f"embed.checkpoint={other}"])
+    assert rc == 2 and "build a new index for the new model" in capsys.readouterr().err
 
 
 def test_watch_embeds_each_new_catalogue_once(ray_cluster, checkpoint, tmp_path, capsys):
