@@ -33,7 +33,7 @@ from puma.data.sources import SourceSpec
 from puma.index import ShardedIndex, read_manifest, verify
 from puma.index.table import read_table
 from puma.inference import embed_catalogue, watch
-from puma.inference.job import _embed_catalogue, checkpoint_id
+from puma.inference.job import checkpoint_id
 from puma.models import build_model
 from puma.models.trainable import trainable_state_dict
 from puma.train.driver import backbone_normalisation
@@ -337,7 +337,7 @@ def test_embed_on_gpu(ray_cluster, checkpoint, tmp_path):
     if not torch.cuda.is_available() or ray_cluster.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("no GPU in this Ray cluster")
     folder = image_catalogue(tmp_path, "gpu", n_real=6, n_generated=6)
-    report = _embed_catalogue(embed_cfg(tmp_path, checkpoint, "embed.use_gpu=true", "embed.num_gpus=0.5"),
+    report = embed_catalogue(embed_cfg(tmp_path, checkpoint, "embed.use_gpu=true", "embed.num_gpus=0.5"),
                               str(folder))
     assert report.embedded == 12
     table = stored(str(tmp_path / "index"))

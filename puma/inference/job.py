@@ -35,14 +35,14 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
 from puma import storage
-from puma.checkpoint import MODEL_FILE, read_checkpoint
+from puma.checkpoint import MODEL_FILE, CheckpointState, read_checkpoint
 from puma.config import Config, absolute_paths, to_dict
 from puma.data.images import ViewSpec
 from puma.data.rejects import read_rejects, reject_counts
@@ -95,9 +95,9 @@ def resolve_checkpoint(cfg: Config, checkpoint: str | None = None) -> str:
     return storage.absolute(uri)
 
 
-def checkpoint_id(uri: str) -> str:
+def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     """sha256 of the trainable weights, the model config (weights location aside) and the probe."""
-    state = read_checkpoint(uri)
+    state = state or read_checkpoint(uri)
     model_cfg = to_dict(state.config.model)
     model_cfg["backbone"].pop("weights", None)
     digest = hashlib.sha256(storage.read_bytes(storage.join(uri, MODEL_FILE)))
@@ -113,8 +113,22 @@ def rejects_uri(index_uri: str, catalogue: str) -> str:
 
 def embed_catalogue(cfg: Config, catalogue: str, *, index_uri: str | None = None,
                     checkpoint: str | None = None, split: str | None = None) -> EmbedReport:
-    """Embed the catalogue's items that are not indexed yet and add them to the index."""
-    return _embed_catalogue(cfg, catalogue, index_uri=index_uri, checkpoint=checkpoint, split=split)
+    """Embed the catalogue's items that are not indexed yet and add them to the index.
+
+    ``index_uri``, ``checkpoint`` and ``split`` default to index.uri, embed.checkpoint (see
+    :func:`resolve_checkpoint`) and embed.split.
+    """
+    start = time.monotonic()
+    cfg = absolute_paths(cfg)
+    storage.configure(cfg.storage)
+    run = _prepare_run(cfg, storage.absolute(catalogue), storage.absolute(index_uri or cfg.index.uri),
+                       resolve_checkpoint(cfg, checkpoint))
+    todo = _todo(run, split or cfg.embed.split)
+    if len(todo):
+        _embed_todo(run, todo)
+    _finish(run)
+    run.report.seconds = time.monotonic() - start
+    return run.report
 
 
 def watch(cfg: Config, prefix: str) -> list[EmbedReport]:
@@ -150,27 +164,10 @@ class _Run:
     view: ViewSpec
     dim: int
     report: EmbedReport
-    on_commit: Callable[[int], None] | None = None  # called after each commit (tests inject failures)
 
 
-def _embed_catalogue(cfg: Config, catalogue: str, *, index_uri: str | None = None,
-                     checkpoint: str | None = None, split: str | None = None,
-                     on_commit: Callable[[int], None] | None = None) -> EmbedReport:
-    start = time.monotonic()
-    cfg = absolute_paths(cfg)
-    storage.configure(cfg.storage)
-    run = _prepare_run(cfg, storage.absolute(catalogue), storage.absolute(index_uri or cfg.index.uri),
-                       resolve_checkpoint(cfg, checkpoint), split or cfg.embed.split, on_commit)
-    todo = _todo(run, split or cfg.embed.split)
-    if len(todo):
-        _embed_todo(run, todo)
-    _finish(run)
-    run.report.seconds = time.monotonic() - start
-    return run.report
-
-
-def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str, split: str,
-                 on_commit: Callable[[int], None] | None) -> _Run:
+def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -> _Run:
+    """The eval view and model id from the checkpoint (its own config), an empty report."""
     from puma.train.driver import backbone_normalisation
 
     state = read_checkpoint(checkpoint)
@@ -179,9 +176,10 @@ def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str, s
     view = ViewSpec(img_size=model_cfg.model.backbone.img_size, mean=mean, std=std, train=False,
                     min_size=cfg.data.min_image_size)
     report = EmbedReport(catalogue=catalogue, index_uri=index_uri, checkpoint=checkpoint,
-                         model_id=checkpoint_id(checkpoint), rejects_uri=rejects_uri(index_uri, catalogue))
+                         model_id=checkpoint_id(checkpoint, state),
+                         rejects_uri=rejects_uri(index_uri, catalogue))
     return _Run(cfg, catalogue, index_uri, checkpoint, report.model_id, view, model_cfg.model.head.embed_dim,
-                report, on_commit)
+                report)
 
 
 def _todo(run: _Run, split: str) -> pa.Table:
@@ -300,8 +298,6 @@ def _commit(run: _Run, table: pa.Table) -> None:
     run.report.shards_added += added.shards
     run.report.total = added.total
     log.info("committed %d item(s) as %s (index total %d)", added.added, added.shards, added.total)
-    if run.on_commit is not None:
-        run.on_commit(len(run.report.shards_added))
 
 
 def _reject_log(run: _Run):
