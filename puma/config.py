@@ -354,6 +354,44 @@ class IndexConfig:
         _check(self.query_chunk >= 1, "index.query_chunk must be >= 1")
 
 
+# ----------------------------------------------------------------------------- batch embedding
+
+EMBED_SPLITS = ("all", "train", "test")
+
+
+@dataclass
+class EmbedConfig:
+    """Batch embedding of catalogues into the sharded index (jobs/embed.py, puma/inference).
+
+    The model (architecture, img_size, normalisation) comes from the checkpoint's own config;
+    the job config's ``model`` section is not used. A shard holds at most
+    min(commit_rows, index.shard_size) items: each commit writes whole shards, manifest last.
+    """
+
+    checkpoint: str = ""  # checkpoint folder (local, s3://); '' = <train.storage_path>/<train.run_name>/best
+    backbone_weights: str = ""  # where the frozen backbone comes from on the workers; '' = the checkpoint's
+    batch_size: int = 64  # images per model forward in an actor
+    concurrency: int = 1  # embedding actors (each loads the model once)
+    num_cpus: float = 1.0  # CPUs reserved per actor (torch threads follow it); leave some for decoding
+    num_gpus: float = 1.0  # GPUs per actor when GPUs are used
+    use_gpu: bool = True  # run the actors on GPUs when the cluster has any (else on CPUs)
+    split: str = "all"  # rows of a prepared dataset: all | train | test (image folders: always all)
+    commit_rows: int = 50_000  # items per index commit: a crash loses at most this much work
+    expected_items: int = 0  # size the index plan for this many items; 0: the first catalogue's size
+    retry_rejects: bool = False  # re-try items listed in the catalogue's rejects file (default: skip them)
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, f"embed.batch_size={self.batch_size!r} must be >= 1")
+        _check(self.concurrency >= 1, f"embed.concurrency={self.concurrency!r} must be >= 1 actor")
+        _check(self.num_cpus > 0, f"embed.num_cpus={self.num_cpus!r} must be > 0")
+        _check(self.num_gpus > 0, f"embed.num_gpus={self.num_gpus!r} must be > 0 (use embed.use_gpu=false "
+                                  "to run on CPUs)")
+        _check_choice("embed.split", self.split, EMBED_SPLITS)
+        _check(self.commit_rows >= 1, f"embed.commit_rows={self.commit_rows!r} must be >= 1")
+        _check(self.expected_items >= 0, f"embed.expected_items={self.expected_items!r} must be >= 0 "
+                                         "(0: the first catalogue's size)")
+
+
 # ----------------------------------------------------------------------------- sweep
 
 
@@ -404,6 +442,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
 
     def __post_init__(self) -> None:
         _check(self.model.method != "vptsp_g" or self.loss.name == "proxy_anchor",
@@ -566,7 +605,7 @@ def dump_yaml(cfg: Any) -> str:
 # driver, because Ray workers run in other directories.
 PATH_KEYS = ("model.backbone.weights", "data.uri", "data.source_root", "data.fashion_mnist_dir",
              "data.rejects_uri", "train.storage_path", "index.uri",
-             "sweep.storage_path", "sweep.space_file")
+             "sweep.storage_path", "sweep.space_file", "embed.checkpoint", "embed.backbone_weights")
 NOT_PATHS = ("", "hub", "none")
 
 

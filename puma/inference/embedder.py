@@ -1,0 +1,147 @@
+"""The two stages of the embedding stream: read + decode (Ray tasks) and the model (Ray actors).
+
+    references (pyarrow)  ->  read_and_decode: image bytes (a file, or rows of a Parquet shard),
+                              eval view; rejects go to the RejectLog and leave the batch
+                          ->  Embedder: the checkpoint's model, loaded once per actor, eval mode,
+                              on a GPU when the actor has one
+    numpy batches: item_id, embedding float32 (B, E), dataset, label, role, catalogue, image_uri,
+                   image_row
+
+Neither stage imports Ray; ``puma.inference.job`` wires them into a Ray Data pipeline.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+
+from puma import storage
+from puma.data import schema
+from puma.data.images import ImageRejected, ViewSpec, make_view
+from puma.data.rejects import Reject
+from puma.index.table import (
+    CATALOGUE,
+    DATASET,
+    EMBEDDING,
+    IMAGE_ROW,
+    IMAGE_URI,
+    ITEM_ID,
+    LABEL,
+    ROLE,
+    read_rows,
+)
+
+IMAGE = schema.BATCH_IMAGE
+META_COLUMNS = (ITEM_ID, DATASET, LABEL, ROLE, CATALOGUE, IMAGE_URI, IMAGE_ROW)
+OUTPUT_COLUMNS = (ITEM_ID, EMBEDDING, DATASET, LABEL, ROLE, CATALOGUE, IMAGE_URI, IMAGE_ROW)
+
+
+def use_storage(cfg) -> None:
+    """Configure this worker's storage layer unless it already has these settings."""
+    if storage.current_config() != cfg:
+        storage.configure(cfg)
+
+
+def read_image_bytes(refs: pa.Table) -> list[bytes | Exception]:
+    """The encoded bytes of every reference, in order; a missing file is its exception, not a failure."""
+    out: list[bytes | Exception] = [b""] * len(refs)
+    uris, rows = refs[IMAGE_URI].to_pylist(), refs[IMAGE_ROW].to_pylist()
+    by_parquet: dict[str, list[int]] = defaultdict(list)
+    for i, (uri, row) in enumerate(zip(uris, rows, strict=True)):
+        if row < 0:
+            try:
+                out[i] = storage.read_bytes(uri)
+            except FileNotFoundError as exc:
+                out[i] = exc
+        else:
+            by_parquet[uri].append(i)
+    for uri, idx in by_parquet.items():
+        wanted = np.asarray([rows[i] for i in idx], dtype=np.int64)
+        images = read_rows(uri, wanted, [schema.IMAGE])[schema.IMAGE].to_pylist()
+        for i, data in zip(idx, images, strict=True):
+            out[i] = data
+    return out
+
+
+def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """(numpy batch of the decodable references with their eval views, reject rows of the others)."""
+    keep, images, rejects = [], [], []
+    for i, data in enumerate(read_image_bytes(refs)):
+        try:
+            if isinstance(data, Exception):
+                raise ImageRejected("missing_file", str(data))
+            if not data:
+                raise ImageRejected("empty_file", "0 bytes")
+            images.append(make_view(bytes(data), view))  # (3, S, S)
+            keep.append(i)
+        except ImageRejected as exc:
+            rejects.append(_reject_row(refs, i, exc))
+    kept = refs.take(pa.array(keep, pa.int64()))
+    batch = {c: kept[c].to_numpy(zero_copy_only=False) for c in META_COLUMNS}
+    size = view.img_size
+    batch[IMAGE] = np.stack(images) if images else np.zeros((0, 3, size, size), np.float32)  # (B, 3, S, S)
+    return batch, rejects
+
+
+def _reject_row(refs: pa.Table, i: int, exc: ImageRejected) -> dict:
+    stage = "read" if exc.reason in ("missing_file", "empty_file") else "decode"
+    return Reject(item_id=str(refs[ITEM_ID][i]), dataset=str(refs[DATASET][i]), reason=exc.reason,
+                  stage=stage, source_path=str(refs[schema.SOURCE_PATH][i]), split=str(refs[schema.SPLIT][i]),
+                  detail=exc.detail).to_dict()
+
+
+def read_and_decode(refs: pa.Table, view: ViewSpec, storage_cfg, reject_log) -> dict[str, np.ndarray]:
+    """Ray Data task: decode a block of references; rejects are recorded before the task returns."""
+    use_storage(storage_cfg)
+    batch, rejects = decode_refs(refs, view)
+    if rejects:
+        import ray
+
+        ray.get(reject_log.record.remote(rejects))
+    return batch
+
+
+class Embedder:
+    """Ray Data actor: loads the checkpoint's model once, then embeds batches of eval views."""
+
+    def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool,
+                 threads: int) -> None:
+        import torch
+
+        from puma.checkpoint import load_model
+
+        use_storage(storage_cfg)
+        torch.set_num_threads(max(1, threads))
+        model, cfg = load_model(checkpoint, backbone_weights or None)  # eval mode, probe verified
+        self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
+        self.model = model.to(self.device)
+        self.dim = int(self._forward(np.zeros((1, 3, cfg.model.backbone.img_size,
+                                                cfg.model.backbone.img_size), np.float32)).shape[1])
+
+    def _forward(self, images: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            x = torch.from_numpy(np.array(images, np.float32)).to(self.device)  # (B, 3, S, S), writable copy
+            return self.model(x).float().cpu().numpy()  # (B, E), L2-normalised by the head
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        images = batch[IMAGE]
+        emb = self._forward(images) if len(images) else np.zeros((0, self.dim), np.float32)  # (B, E)
+        out = {c: batch[c] for c in META_COLUMNS}
+        out[EMBEDDING] = emb
+        return out
+
+
+def to_table(batch: dict[str, np.ndarray]) -> pa.Table:
+    """A numpy output batch as an embeddings table (embedding fixed_size_list<float32>[E])."""
+    emb = np.ascontiguousarray(batch[EMBEDDING], np.float32)  # (B, E)
+    columns = {ITEM_ID: pa.array(batch[ITEM_ID].astype(str), pa.string()),
+               EMBEDDING: pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), emb.shape[1])}
+    for c in (DATASET, ROLE, CATALOGUE, IMAGE_URI):
+        columns[c] = pa.array(batch[c].astype(str), pa.string())
+    for c in (LABEL, IMAGE_ROW):
+        columns[c] = pa.array(batch[c].astype(np.int64), pa.int64())
+    return pa.table({c: columns[c] for c in OUTPUT_COLUMNS})

@@ -1,0 +1,345 @@
+"""The batch embedding job (puma/inference, jobs/embed.py) on a real local Ray, real FAISS, real S3.
+
+A tiny checkpoint is built in-process (tests/tiny.py, real save_checkpoint); catalogues are image
+folders (real Oxford-Flowers photos from ../shared/data plus generated ones) and a prepared
+Parquet dataset.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from conftest import encode_image, special_images, write_cub_tree
+from tiny import tiny_config
+
+from puma import storage
+from puma.checkpoint import CheckpointState, load_model, probe_embeddings, save_checkpoint
+from puma.config import load_config
+from puma.data.images import ViewSpec, make_view
+from puma.data.prepare import prepare
+from puma.data.rejects import read_rejects
+from puma.data.sources import SourceSpec
+from puma.index import ShardedIndex, read_manifest, verify
+from puma.index.table import read_table
+from puma.inference import embed_catalogue, watch
+from puma.inference.job import checkpoint_id
+from puma.models import build_model
+from puma.models.trainable import trainable_state_dict
+from puma.train.driver import backbone_normalisation
+
+REPO = Path(__file__).resolve().parent.parent
+FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
+if not FLOWERS.exists():
+    FLOWERS = Path("/work/shared/data/flowers12-subset")
+EMBED_JOB = REPO / "jobs" / "embed.py"
+
+
+def _load_job():
+    spec = importlib.util.spec_from_file_location("embed_job", EMBED_JOB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def make_checkpoint(uri: str, seed: int = 0) -> str:
+    """A tiny PUMA checkpoint with perturbed (non-initial) trainable weights and its probe."""
+    cfg = tiny_config()
+    torch.manual_seed(0)  # the same random backbone for every seed
+    model = build_model(cfg.model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    meta = {"probe": probe_embeddings(model, cfg.model.backbone.img_size), "backbone_weights": "none"}
+    return save_checkpoint(uri, CheckpointState(config=cfg, model=trainable_state_dict(model), meta=meta))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "best"))
+
+
+def image_catalogue(root: Path, name: str, n_real: int, n_generated: int, bad: bool = False) -> Path:
+    """A folder of images: real flower photos, generated JPEG/PNGs in a sub-folder, optionally bad ones."""
+    folder = root / name
+    photos = sorted(FLOWERS.glob("*/*.jpg"))[: n_real]
+    for i, photo in enumerate(photos):
+        (folder / photo.parent.name).mkdir(parents=True, exist_ok=True)
+        (folder / photo.parent.name / f"{name}_{i}.jpg").write_bytes(photo.read_bytes())
+    (folder / "gen").mkdir(parents=True, exist_ok=True)
+    seed = zlib.crc32(name.encode())  # catalogues differ in their generated images
+    for i in range(n_generated):
+        (folder / "gen" / f"{i:03d}.png").write_bytes(encode_image(fmt="PNG", size=(48, 40), seed=seed + i))
+    if bad:
+        for kind, (data, _) in special_images().items():
+            (folder / "bad" / f"{kind}.png").parent.mkdir(exist_ok=True)
+            (folder / "bad" / f"{kind}.png").write_bytes(data)
+        (folder / "README.txt").write_text("not an image: ignored and counted")
+    return folder
+
+
+def embed_cfg(root: Path, checkpoint: str, *overrides: str):
+    return load_config(None, [f"index.uri={root / 'index'}", f"embed.checkpoint={checkpoint}",
+                              "embed.commit_rows=8", "embed.batch_size=4", "data.decode_batch_size=4",
+                              "embed.num_cpus=1", *overrides])
+
+
+def stored(index_uri: str) -> pa.Table:
+    """Every committed embeddings row of the index."""
+    return read_table(storage.join(index_uri, "shards"))
+
+
+def reference_embeddings(checkpoint: str, table: pa.Table) -> np.ndarray:
+    """The in-process model forward of each row's image bytes (eval view), no Ray: (N, E)."""
+    import pyarrow.parquet as pq
+
+    model, cfg = load_model(checkpoint)
+    mean, std = backbone_normalisation(cfg)
+    spec = ViewSpec(img_size=cfg.model.backbone.img_size, mean=mean, std=std, train=False)
+    views = []
+    for uri, row in zip(table["image_uri"].to_pylist(), table["image_row"].to_pylist(), strict=True):
+        data = Path(uri).read_bytes() if row < 0 else \
+            pq.read_table(uri, columns=["image"])["image"][row].as_py()
+        views.append(make_view(data, spec))
+    with torch.no_grad():
+        return model(torch.from_numpy(np.stack(views))).numpy()
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_embeddings_equal_the_model_forward_for_folders_and_prepared_data(ray_cluster, checkpoint, tmp_path):
+    folder = image_catalogue(tmp_path, "flowers_a", n_real=6, n_generated=5)
+    write_cub_tree(tmp_path / "raw_cub", num_classes=3, per_class=3)
+    prepare([SourceSpec("cub", "cub", str(tmp_path / "raw_cub"))], str(tmp_path / "prepared"), shard_rows=4,
+            log=lambda _: None)
+    cfg = embed_cfg(tmp_path, checkpoint)
+    a = embed_catalogue(cfg, str(folder))
+    b = embed_catalogue(cfg, str(tmp_path / "prepared"))
+    assert (a.embedded, a.rejected, b.embedded, b.rejected) == (11, 0, 9, 0)
+    table = stored(str(tmp_path / "index"))
+    assert len(table) == 20 and table["embedding"].type.value_type == pa.float32()
+    emb = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(emb, reference_embeddings(checkpoint, table), atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+    rows = {r["item_id"]: r for r in table.drop_columns(["embedding"]).to_pylist()}
+    flower = rows["flowers_a/gen/000.png"]
+    assert (flower["dataset"], flower["label"], flower["role"], flower["image_row"]) == (
+        "flowers_a", -1, "gallery", -1)
+    assert flower["image_uri"] == str(folder / "gen" / "000.png") and flower["catalogue"] == str(folder)
+    cub = [r for r in rows.values() if r["dataset"] == "cub"]
+    assert {r["role"] for r in cub} <= {"train", "query"} and all(r["image_row"] >= 0 for r in cub)
+    assert {r["label"] for r in cub} == {0, 1, 2}
+    manifest = read_manifest(str(tmp_path / "index"))
+    assert manifest.model_id == checkpoint_id(checkpoint) and manifest.model_id.startswith("sha256:")
+    assert manifest.index_type == "flat" and manifest.total == 20 and verify(str(tmp_path / "index")).ok
+
+
+def test_crash_mid_commit_then_rerun_gives_every_item_exactly_once(ray_cluster, checkpoint, tmp_path,
+                                                                    monkeypatch):
+    folder = image_catalogue(tmp_path, "cat", n_real=4, n_generated=26)  # 30 items, commits of 8
+    cfg = embed_cfg(tmp_path, checkpoint)
+    index = str(tmp_path / "index")
+    import puma.index.build as build
+
+    real_write, calls = build.write_manifest, []
+
+    def crash_on_second_shard(uri, manifest):  # 1: create, 2: shard 0 committed, 3: dies before commit
+        calls.append(len(manifest.shards))
+        if len(calls) == 3:
+            raise RuntimeError("injected crash between shard files and manifest")
+        real_write(uri, manifest)
+
+    monkeypatch.setattr(build, "write_manifest", crash_on_second_shard)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        embed_catalogue(cfg, str(folder))
+    monkeypatch.setattr(build, "write_manifest", real_write)
+    assert read_manifest(index).total == 8
+    assert (tmp_path / "index" / "shards" / "shard-00001").exists()  # unfinished shard left behind
+
+    report = embed_catalogue(cfg, str(folder))
+    assert (report.skipped_indexed, report.embedded, report.total) == (8, 22, 30)
+    ids = stored(index)["item_id"].to_pylist()
+    assert len(ids) == len(set(ids)) == 30
+    manifest = read_manifest(index)
+    assert manifest.total == sum(s.count for s in manifest.shards) == 30
+    assert [s.count for s in manifest.shards] == [8, 8, 8, 6]
+    shard_dirs = sorted(os.listdir(tmp_path / "index" / "shards"))
+    assert shard_dirs == [s.name for s in manifest.shards]  # the unfinished shard was removed
+    assert verify(index).ok
+    assert ShardedIndex.open(index, use_gpu=False).ntotal == 30
+
+
+def test_killed_job_process_then_rerun_gives_every_item_exactly_once(ray_cluster, checkpoint, tmp_path):
+    """SIGKILL a real `jobs/embed.py` driver (joined to the test's Ray) after its first commit."""
+    folder = image_catalogue(tmp_path, "cat", n_real=0, n_generated=60)
+    index = tmp_path / "index"
+    args = [sys.executable, str(EMBED_JOB), "--catalogue", str(folder), f"index.uri={index}",
+            f"embed.checkpoint={checkpoint}", "embed.commit_rows=4", "embed.batch_size=2",
+            "data.decode_batch_size=2", "embed.num_cpus=1"]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (index / "manifest.json").exists() and read_manifest(str(index)).shards:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=30)
+    committed = read_manifest(str(index)).total
+    assert 4 <= committed < 60, f"not killed mid-way ({committed} committed, rc {proc.returncode})"
+    report = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(folder))
+    assert report.skipped_indexed == committed and report.embedded == 60 - committed
+    ids = stored(str(index))["item_id"].to_pylist()
+    assert len(ids) == len(set(ids)) == 60 and read_manifest(str(index)).total == 60
+    assert verify(str(index)).ok
+
+
+def test_ivf_index_is_trained_once_on_a_sample_that_is_committed_first(ray_cluster, checkpoint, tmp_path):
+    first = image_catalogue(tmp_path, "ivf_a", n_real=2, n_generated=48)
+    second = image_catalogue(tmp_path, "ivf_b", n_real=0, n_generated=6)
+    cfg = embed_cfg(tmp_path, checkpoint, "index.index_type=ivf_flat", "index.nlist=1",
+                    "index.train_sample=40", "index.nprobe=1", "embed.commit_rows=100")
+    index = str(tmp_path / "index")
+    r1, r2 = embed_catalogue(cfg, str(first)), embed_catalogue(cfg, str(second))
+    manifest = read_manifest(index)
+    assert (manifest.index_type, manifest.nlist, manifest.train_count) == ("ivf_flat", 1, 40)
+    assert [s.count for s in manifest.shards] == [40, 10, 6]  # the training sample, the rest, catalogue 2
+    assert (r1.embedded, r2.embedded, manifest.total) == (50, 6, 56) and verify(index).ok
+    ids = stored(index)["item_id"].to_pylist()
+    assert len(set(ids)) == 56
+    table = stored(index)
+    emb = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(emb, reference_embeddings(checkpoint, table), atol=1e-5)
+    searcher = ShardedIndex.open(index, nprobe=1, use_gpu=False)
+    _, found = searcher.search(searcher.embeddings(["ivf_a/gen/001.png", "ivf_b/gen/002.png"]), k=1)
+    assert list(found[:, 0]) == ["ivf_a/gen/001.png", "ivf_b/gen/002.png"]
+
+
+def test_second_catalogue_is_added_without_re_embedding_the_first(ray_cluster, checkpoint, tmp_path):
+    first = image_catalogue(tmp_path, "first", n_real=5, n_generated=7)
+    second = image_catalogue(tmp_path, "second", n_real=0, n_generated=9)
+    cfg = embed_cfg(tmp_path, checkpoint)
+    index = str(tmp_path / "index")
+    r1 = embed_catalogue(cfg, str(first))
+    before = {p: p.read_bytes() for p in (tmp_path / "index" / "shards").rglob("*") if p.is_file()}
+    r2 = embed_catalogue(cfg, str(second))
+    r3 = embed_catalogue(cfg, str(first))  # nothing new: no read, no decode, no model
+    assert (r1.embedded, r2.embedded, r2.skipped_indexed) == (12, 9, 0)
+    assert (r3.embedded, r3.skipped_indexed, r3.shards_added, r3.total) == (0, 12, [], 21)
+    assert all(p.read_bytes() == data for p, data in before.items())  # first shards byte-identical
+    assert set(r2.shards_added).isdisjoint(r1.shards_added)
+    searcher = ShardedIndex.open(index, use_gpu=False)
+    queries = ["first/gen/003.png", "second/gen/004.png"]
+    scores, found = searcher.search(searcher.embeddings(queries), k=1)
+    assert list(found[:, 0]) == queries and np.all(scores[:, 0] > 0.999)
+
+
+def test_unreadable_images_are_rejected_and_listed_and_the_job_completes(ray_cluster, checkpoint, tmp_path,
+                                                                         capsys):
+    folder = image_catalogue(tmp_path, "mixed", n_real=2, n_generated=3, bad=True)
+    rc = _load_job().main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
+                           f"embed.checkpoint={checkpoint}", "embed.commit_rows=8", "embed.num_cpus=1"])
+    out = capsys.readouterr().out
+    rejects_file = tmp_path / "index" / "rejects" / "mixed.jsonl"
+    assert rc == 0 and "3 rejected image(s) listed in" in out and str(rejects_file) in out
+    rows = {r["item_id"]: r["reason"] for r in read_rejects(str(rejects_file))}
+    assert rows == {"mixed/bad/corrupt.png": "corrupt", "mixed/bad/truncated.png": "truncated",
+                    "mixed/bad/tiny.png": "tiny"}
+    ids = set(stored(str(tmp_path / "index"))["item_id"].to_pylist())
+    assert {"mixed/bad/cmyk.png", "mixed/bad/palette.png", "mixed/bad/grayscale.png"} <= ids
+    assert len(ids) == 2 + 3 + 3 and not set(rows) & ids
+    report = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(folder))  # rejects are not re-tried
+    assert (report.embedded, report.skipped_rejected, report.rejected) == (0, 3, 3)
+    other = make_checkpoint(str(tmp_path / "other"), seed=1)  # another model must not join this index
+    assert checkpoint_id(other) != checkpoint_id(checkpoint)
+    assert checkpoint_id(make_checkpoint(str(tmp_path / "copy"))) == checkpoint_id(checkpoint)
+    rc = _load_job().main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
+                           f"embed.checkpoint={other}"])
+    assert rc == 2 and "build a new index for the new model" in capsys.readouterr().err
+
+
+def test_watch_embeds_each_new_catalogue_once(ray_cluster, checkpoint, tmp_path, capsys):
+    prefix = tmp_path / "catalogues"
+    image_catalogue(prefix, "one", n_real=3, n_generated=2)
+    image_catalogue(prefix, "two", n_real=0, n_generated=4)
+    cfg = embed_cfg(tmp_path, checkpoint)
+    first = watch(cfg, str(prefix))
+    assert [(Path(r.catalogue).name, r.embedded) for r in first] == [("one", 5), ("two", 4)]
+    image_catalogue(prefix, "three", n_real=0, n_generated=3)
+    rc = _load_job().main(["--watch", str(prefix), f"index.uri={tmp_path / 'index'}",
+                           f"embed.checkpoint={checkpoint}", "embed.num_cpus=1"])
+    assert rc == 0 and "three: embedded 3, already indexed 0" in capsys.readouterr().out
+    again = watch(cfg, str(prefix))
+    assert [r.embedded for r in again] == [0, 0, 0] and again[-1].total == 12
+
+
+def test_s3_catalogue_and_index(ray_cluster, checkpoint, tmp_path, s3_server, s3_storage):
+    folder = image_catalogue(tmp_path, "s3cat", n_real=3, n_generated=4, bad=True)
+    catalogue = f"{s3_storage}/catalogues/s3cat"
+    for path in folder.rglob("*"):
+        if path.is_file():
+            storage.write_bytes(f"{catalogue}/{path.relative_to(folder).as_posix()}", path.read_bytes())
+    index = f"{s3_storage}/index"
+    cfg = embed_cfg(tmp_path, checkpoint, f"index.uri={index}", f"storage.endpoint_url={s3_server.endpoint}")
+    report = embed_catalogue(cfg, catalogue)
+    assert (report.embedded, report.rejected, report.total) == (10, 3, 10)
+    assert report.rejects_uri == f"{index}/rejects/s3cat.jsonl" and len(read_rejects(report.rejects_uri)) == 3
+    assert verify(index).ok
+    table = stored(index)
+    assert table["image_uri"][0].as_py().startswith(catalogue)
+    again = watch(cfg, f"{s3_storage}/catalogues/")  # the s3:// prefix: one catalogue, nothing new
+    assert [(r.catalogue, r.embedded, r.skipped_indexed, r.error) for r in again] == [(catalogue, 0, 10, "")]
+
+
+def test_help_and_bad_config(capsys, tmp_path):
+    job = _load_job()
+    with pytest.raises(SystemExit) as exit_help:
+        job.main(["--help"])
+    assert exit_help.value.code == 0 and "--watch" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_bad:
+        job.main(["--catalogue", str(tmp_path), "embed.concurrency=0"])
+    assert exit_bad.value.code == 2 and "embed.concurrency=0 must be >= 1" in capsys.readouterr().err
+    assert job.main([]) == 2 and "--catalogue" in capsys.readouterr().err
+    result = subprocess.run([sys.executable, str(EMBED_JOB), "--catalogue", "x", "embed.split=val"],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and "embed.split='val' is not valid" in result.stderr
+
+
+def test_missing_checkpoint_and_empty_catalogue_are_clear_errors(checkpoint, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    job = _load_job()
+    assert job.main(["--catalogue", str(tmp_path / "empty"), f"embed.checkpoint={tmp_path / 'nope'}"]) == 2
+    assert "not a complete PUMA checkpoint" in capsys.readouterr().err
+    assert job.main(["--catalogue", str(tmp_path / "empty"), f"embed.checkpoint={checkpoint}",
+                     f"index.uri={tmp_path / 'index'}"]) == 2
+    assert "has no items to embed" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_embed_on_gpu(ray_cluster, checkpoint, tmp_path):
+    if not torch.cuda.is_available() or ray_cluster.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("no GPU in this Ray cluster")
+    folder = image_catalogue(tmp_path, "gpu", n_real=6, n_generated=6)
+    report = embed_catalogue(embed_cfg(tmp_path, checkpoint, "embed.use_gpu=true", "embed.num_gpus=0.5"),
+                              str(folder))
+    assert report.embedded == 12
+    table = stored(str(tmp_path / "index"))
+    emb = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(emb, reference_embeddings(checkpoint, table), atol=1e-4)
