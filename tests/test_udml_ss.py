@@ -304,3 +304,22 @@ def test_unlabeled_catalogue_trains_with_udml_ss_and_a_supervised_method_refuses
 
     model, _ = load_model(outcome.last_checkpoint)
     assert isinstance(model, UdmlSsModel)
+
+
+@pytest.mark.gpu
+def test_udml_ss_step_on_cuda_with_bf16_autocast_and_gpu_kmeans():
+    """The GPU path: rotations and losses on the device under autocast, FAISS k-means on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    cfg = udml_config()
+    device = torch.device("cuda")
+    model = build_model(cfg.model).to(device)
+    module = build_method_training(cfg, model, 0).module.train()
+    optimizer = build_optimizer(trainable_parameter_groups(model), module.loss, cfg.optim)
+    images, labels = tiny_images(16).to(device), torch.arange(4).repeat(4).to(device)
+    out = train_step(module, optimizer, images, labels, clip_value=1.0, precision="bf16")
+    assert all(np.isfinite(v) for v in out.values())
+    x = np.random.default_rng(0).normal(size=(2000, 16)).astype(np.float32)
+    if faiss.get_num_gpus() > 0:
+        assert len(np.unique(kmeans_pseudo_labels(x, 10, seed=0, use_gpu=True))) == 10
