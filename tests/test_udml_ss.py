@@ -184,6 +184,51 @@ def test_kmeans_pseudo_labels_are_faiss_kmeans_and_recomputed_exactly_on_schedul
         kmeans_pseudo_labels(x, 50, seed=0)
 
 
+def blobs(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """30 points in three separated blobs (order shuffled by ``seed``) and their item ids."""
+    rng = np.random.default_rng(seed)
+    x = np.repeat(np.eye(3, 8, dtype=np.float32) * 10, 10, axis=0)
+    x += rng.normal(size=(30, 8)).astype(np.float32)
+    return x[rng.permutation(30)], np.array([f"item{i}" for i in range(30)])
+
+
+def _refresh_on_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One gloo rank: re-cluster with rank-specific embeddings; record calls and labels."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    calls: list[int] = []
+
+    def embed():
+        calls.append(rank)
+        return blobs(seed=rank)  # every rank would cluster different data: only rank 0's may count
+
+    labels = PseudoLabels(num_clusters=3, recluster_every=1, seed=0, niter=10, use_gpu=False)
+    labels.refresh(0, embed)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"calls": calls, "labels": labels.labels}))
+    dist.destroy_process_group()
+
+
+def test_ranks_train_on_rank_0s_pseudo_labels(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_refresh_on_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert [r["calls"] for r in ranks] == [[0], []]  # only rank 0 embeds and clusters
+    x, ids = blobs(seed=0)
+    clusters = kmeans_pseudo_labels(x, 3, seed=0, niter=10, use_gpu=False)
+    expected = dict(zip(ids.tolist(), clusters.tolist(), strict=True))
+    assert ranks[0]["labels"] == ranks[1]["labels"] == expected
+
+
 def test_training_hook_clusters_the_current_model_on_schedule():
     """Epoch 0 clusters backbone features (the paper's start), later epochs the embeddings."""
     torch.manual_seed(0)
