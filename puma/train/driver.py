@@ -65,7 +65,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     from puma.data import pipeline
     from puma.data.prepare import ensure_prepared
     from puma.data.splits import global_label_map, label_range, labeled_datasets
-    from puma.train.methods import needs_labels, needs_train_eval
+    from puma.train.methods import needs_train_eval
 
     manifest = ensure_prepared(cfg)
     check_labels_for_method(cfg, manifest)
@@ -80,7 +80,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     else:
         info["eval_skipped"] = (f"no labeled {cfg.train.eval_split} classes in {manifest.uri} (datasets "
                                 f"{manifest.select(cfg.data.datasets)}): evaluation needs labels")
-    if needs_train_eval(cfg.model.method) and not needs_labels(cfg.model.method):
+    if needs_train_eval(cfg.model.method):
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
 

@@ -60,6 +60,8 @@ class PseudoLabels:
             clusters = kmeans_pseudo_labels(embeddings, self.num_clusters, self.seed + epoch, self.niter,
                                             self.use_gpu)
             mapping = dict(zip((str(i) for i in item_ids), clusters.tolist(), strict=True))
+            print(f"[puma] epoch {epoch + 1}: k-means pseudo-labels for {len(mapping)} training images, "
+                  f"{len(np.unique(clusters))} of {self.num_clusters} clusters used", flush=True)
         self.labels = broadcast_object(mapping)
         self.computed_at.append(epoch)
         used = len(set(self.labels.values()))
