@@ -33,9 +33,11 @@ class SupervisedTraining:
 
     def on_epoch_start(self, epoch: int, model: nn.Module, device: torch.device,
                        train_eval_batches: Callable[[], Iterable[dict]]) -> dict[str, float]:
+        """Nothing to refresh: the labels come with the data."""
         return {}
 
     def batch_labels(self, batch: dict) -> np.ndarray:
+        """The stream's global class ids (B,)."""
         return batch["label"]
 
 
