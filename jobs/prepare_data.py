@@ -5,6 +5,7 @@ Examples:
   python jobs/prepare_data.py --preset cub --source /raw/CUB_200_2011 --out s3://bucket/puma/cub
   python jobs/prepare_data.py --preset paper --source cub=/raw/CUB_200_2011 --source cars=/raw/cars ...
   python jobs/prepare_data.py --preset folder --source /raw/products --name products --class-depth 1
+  python jobs/prepare_data.py --preset folder --source /raw/catalogue --class-depth 0   # no labels
 Re-running with the same inputs writes nothing (shards are content-addressed); S3 settings come
 from storage.* keys and credentials from the standard AWS chain.
 """
@@ -34,7 +35,9 @@ def build_parser():
     parser.add_argument("--out", default=None, help="output URI (default: data.uri)")
     parser.add_argument("--name", default="",
                         help="dataset name for --preset folder (default: the root's name)")
-    parser.add_argument("--class-depth", type=int, default=1, help="folder layout: folders that name a class")
+    parser.add_argument("--class-depth", type=int, default=1,
+                        help="folder layout: folders that name a class; 0: an unlabeled catalogue "
+                             "(every image, no labels; trains with model.method=udml_ss)")
     parser.add_argument("--verify", action="store_true", help="re-read every shard and check its sha256")
     return parser
 

@@ -170,6 +170,41 @@ class VptspgConfig:
 
 
 @dataclass
+class UdmlSsConfig:
+    """UDML-SS (Cao et al., "Unsupervised DML via auxiliary rotation loss"): method udml_ss.
+
+    Pseudo-labels: k-means (FAISS, seeded by train.seed) on the current embeddings of the training
+    images (eval view) at the start of training and every ``recluster_every`` epochs. Loss (Eq. 7):
+    L_MS(un-rotated embeddings, pseudo-labels) + eta * L_rot (4-way rotation cross-entropy); the
+    MS loss and its miner use the ``ms_*`` settings below (the MS paper's values, which UDML-SS
+    keeps), and the method does not read ``loss.*``. What adapts the backbone is PUMA's: adapters
+    and prompt pool as ``model.adapter.enabled`` / ``model.prompt_pool.enabled`` say.
+    """
+
+    num_clusters: int = 100  # k (paper: 100 for CUB and Cars, 1,000 / 10,000 for SOP)
+    recluster_every: int = 1  # epochs between k-means runs (paper: "iteratively"; DeepCluster: 1)
+    eta: float = 0.1  # rotation-loss weight (paper: 0.1 CUB and SOP, 0.5 Cars)
+    cluster_features_first: bool = True  # first k-means on backbone features, as the paper; then embeddings
+    kmeans_niter: int = 20
+    kmeans_gpu: bool = True  # FAISS GPU k-means when faiss.get_num_gpus() > 0
+    ms_alpha: float = 2.0  # MS loss alpha (positive pairs)
+    ms_beta: float = 50.0  # MS loss beta (negative pairs)
+    ms_base: float = 0.5  # MS loss lambda (similarity margin)
+    ms_epsilon: float = 0.1  # MS miner epsilon (Eq. 3-4)
+
+    def __post_init__(self) -> None:
+        _check(self.num_clusters >= 2, f"model.udml_ss.num_clusters={self.num_clusters!r} must be >= 2 "
+                                       "(metric learning needs at least two pseudo-classes)")
+        _check(self.recluster_every >= 1,
+               f"model.udml_ss.recluster_every={self.recluster_every!r} must be >= 1 epoch")
+        _check(self.eta >= 0, f"model.udml_ss.eta={self.eta!r} must be >= 0 (0: no rotation loss)")
+        _check(self.kmeans_niter >= 1, f"model.udml_ss.kmeans_niter={self.kmeans_niter!r} must be >= 1")
+        for name in ("ms_alpha", "ms_beta"):
+            _check(getattr(self, name) > 0, f"model.udml_ss.{name}={getattr(self, name)!r} must be > 0")
+        _check(self.ms_epsilon >= 0, f"model.udml_ss.ms_epsilon={self.ms_epsilon!r} must be >= 0")
+
+
+@dataclass
 class ModelConfig:
     method: str = "puma"
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
@@ -179,6 +214,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     vpt: VptConfig = field(default_factory=VptConfig)
     vptsp_g: VptspgConfig = field(default_factory=VptspgConfig)
+    udml_ss: UdmlSsConfig = field(default_factory=UdmlSsConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.method), "model.method must be set, e.g. 'puma'")

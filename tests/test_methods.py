@@ -4,6 +4,7 @@ training steps through the real TrainModule / train_step, LoRA, VPT, MLP-3, and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tiny import assert_eval_deterministic_train_stochastic, tiny_images, tiny_model_config
 
-from puma.config import ConfigError, LossConfig, OptimConfig
+from puma.config import Config, ConfigError, LossConfig, OptimConfig
 from puma.losses import LossInputError, build_loss
 from puma.losses.xbm import CrossBatchMemoryLoss
 from puma.models import (
@@ -28,6 +29,7 @@ from puma.models import (
 )
 from puma.models.vpt import VptModel
 from puma.optim import build_optimizer
+from puma.train.methods import build_method_training
 from puma.train.step import TrainModule, train_step
 
 D, E, DEPTH = 48, 16, 2  # tiny backbone width, embedding size, blocks
@@ -54,6 +56,8 @@ EXPECTED_TRAINABLE: dict[str, Callable[[str], bool]] = {
     "adaptformer": lambda n: is_head(n) or ".adapter_" in n,
     "bitfit": lambda n: is_head(n) or (n.startswith("backbone.") and n.endswith(".bias")),
     "full_finetune": lambda n: True,
+    "udml_ss": lambda n: (is_head(n) or ".adapter_" in n or n.startswith("prompt_pool.")
+                          or n.startswith("rotation_head.")),
 }
 
 
@@ -83,10 +87,10 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", sorted(EXPECTED_TRAINABLE))
 def test_each_method_trains_and_gradients_reach_exactly_its_trainable_set(method):
     torch.manual_seed(0)
-    model = build_model(method_config(method))
-    loss = build_loss(LossConfig(), num_classes=4, embed_dim=E)
-    module = TrainModule(model, loss).train()
-    optimizer = build_optimizer(trainable_parameter_groups(model), loss, OptimConfig(lr=1e-3))
+    cfg = dataclasses.replace(Config(), model=method_config(method))
+    model = build_model(cfg.model)
+    module = build_method_training(cfg, model, num_classes=4).module.train()  # udml_ss: its own
+    optimizer = build_optimizer(trainable_parameter_groups(model), module.loss, OptimConfig(lr=1e-3))
     before = snapshot(model)
     labels = torch.arange(4).repeat(4)  # (16,)
     for step in range(2):  # step 0: zero-init up-projections give W_down / A no gradient yet

@@ -28,6 +28,7 @@ from puma.data.listing import (
     half_split_listing,
     read_lines,
     split_pairs,
+    unlabeled_listing,
 )
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -215,11 +216,14 @@ def _inshop_image_root(root: str, first: str) -> str:
 def convert_folder(root: str, name: str, class_depth: int = 1) -> DatasetListing:
     """``root/<class>/.../<image>``; the class is the first ``class_depth`` folders (Omniglot: 2).
 
+    ``class_depth = 0``: an unlabeled catalogue, every image under ``root`` at any depth, all in the
+    training split without labels (``schema.UNLABELED``; see puma.data.schema).
+
     Files that are not images (by extension) or that sit above the class level are ignored and
     counted in ``notes['ignored_files']``.
     """
-    if class_depth < 1:
-        raise LayoutError(f"class_depth must be >= 1, got {class_depth}")
+    if class_depth < 0:
+        raise LayoutError(f"class_depth must be >= 0 (0: unlabeled), got {class_depth}")
     base = _listing_base(root)
     entries, ignored = [], []
     for uri in storage.list_files(root):
@@ -232,8 +236,10 @@ def convert_folder(root: str, name: str, class_depth: int = 1) -> DatasetListing
     if not entries:
         raise LayoutError(f"no images found under {root} at class depth {class_depth} "
                           f"(extensions {list(IMAGE_EXTENSIONS)})")
-    classes = sorted({e.class_key for e in entries})
-    listing = half_split_listing(name, "folder", root, entries, classes)
+    if class_depth == 0:
+        listing = unlabeled_listing(name, "folder", root, [e.rel_path for e in entries])
+    else:
+        listing = half_split_listing(name, "folder", root, entries, sorted({e.class_key for e in entries}))
     listing.notes["ignored_files"] = len(ignored)
     return listing
 

@@ -89,6 +89,15 @@ def build_listing(name: str, kind: str, root: str, entries: Sequence[Entry], cla
     return DatasetListing(name, kind, root, items, [names.get(key, key) for key in class_order], n_train)
 
 
+def unlabeled_listing(name: str, kind: str, root: str, rel_paths: Sequence[str]) -> DatasetListing:
+    """Every image in the training split without a label (schema.UNLABELED), no classes."""
+    items = [SourceItem(item_id=schema.make_item_id(name, rel), dataset=name, label=schema.UNLABELED,
+                        class_name="", split=schema.TRAIN, role=schema.ROLE_TRAIN,
+                        source_path=storage.join(root, rel)) for rel in rel_paths]
+    _check_unique(name, items)
+    return DatasetListing(name, kind, root, items, [], 0, notes={schema.LABELED_KEY: False})
+
+
 def _class_splits(name: str, entries: Sequence[Entry], labels: dict[str, int]) -> dict[str, str]:
     """The split of every class; a class in both splits or unknown to the class list is an error."""
     out: dict[str, str] = {}

@@ -8,8 +8,8 @@
     numpy batches: image float32 (B, 3, H, W), label int64, dataset, role, item_id
 
 Labels: the training stream carries global ids from ``global_label_map`` (unique across
-datasets); evaluation streams carry the label within each dataset (metrics key on
-(dataset, label)).
+datasets), and ``schema.UNLABELED`` for the rows of an unlabeled catalogue; evaluation streams
+carry the label within each dataset (metrics key on (dataset, label)).
 
 Per-epoch randomness: the shuffle uses ``RandomSeedConfig(seed, reseed_after_execution=True)``
 and each item's augmentation RNG is seeded by (train.seed, execution index, item id); each epoch is
@@ -178,6 +178,9 @@ def _label_lookup(label_map: LabelMap) -> dict[str, np.ndarray]:
 def _global_labels(datasets: np.ndarray, labels: np.ndarray, lookup: Mapping[str, np.ndarray]) -> np.ndarray:
     out = np.empty(len(labels), np.int64)
     for i, (name, label) in enumerate(zip(datasets, labels, strict=True)):
+        if label == schema.UNLABELED:  # an unlabeled catalogue's row: only label-free methods train on it
+            out[i] = schema.UNLABELED
+            continue
         table = lookup.get(str(name))
         gid = table[label] if table is not None and label < len(table) else -1
         if gid < 0:
@@ -248,7 +251,7 @@ def _check_label_map(cfg, manifest: Manifest, label_map: LabelMap) -> None:
     """Every training class the stream can yield must have a global id."""
     missing = [(name, label) for name in manifest.select(cfg.data.datasets)
                for label in label_range(manifest, name, schema.TRAIN, cfg.data.val_fraction)
-               if (name, label) not in label_map]
+               if label != schema.UNLABELED and (name, label) not in label_map]
     if missing:
         raise ValueError(f"the label map lacks {len(missing)} training class(es) of the stream, "
                          f"e.g. {missing[:3]}; "

@@ -10,6 +10,10 @@ Rows (one per image, Parquet):
   labels ``[0, num_train_classes)`` are training classes, ``[num_train_classes, num_classes)`` test
   classes. Training uses the global label map (``puma.data.splits.global_label_map``), unique
   across datasets.
+- Unlabeled catalogues (a folder prepared with class depth 0; methods that make their own labels,
+  e.g. ``model.method=udml_ss``, train on them): every row has ``label = UNLABELED`` (-1),
+  ``class_name = ""``, ``split=train``, ``role=train``; the manifest marks the dataset
+  ``labeled: false`` with no classes (``is_labeled``). Such a dataset has no val or test rows.
 - ``class_name``: the release's class name; ``split``: ``train`` | ``test`` on storage;
   ``role``: ``train`` | ``query`` | ``gallery``.
 - ``image``: the original encoded bytes, untouched; ``source_path``: where they were read from.
@@ -45,6 +49,9 @@ ROLE = "role"
 IMAGE = "image"
 SOURCE_PATH = "source_path"
 COLUMNS = (ITEM_ID, DATASET, LABEL, CLASS_NAME, SPLIT, ROLE, IMAGE, SOURCE_PATH)
+
+UNLABELED = -1  # the label of every row of an unlabeled dataset
+LABELED_KEY = "labeled"  # manifest datasets[name][LABELED_KEY]: false for an unlabeled catalogue
 
 # splits (train/test on storage; val carved from training classes at read time)
 TRAIN = "train"
@@ -82,6 +89,11 @@ class SchemaError(ValueError):
 def make_item_id(dataset: str, rel_path: str) -> str:
     """The stable id of an image: ``<dataset>/<relative path>`` with forward slashes."""
     return f"{dataset}/{rel_path.replace(chr(92), '/').lstrip('/')}"
+
+
+def is_labeled(dataset_info: dict) -> bool:
+    """Whether a manifest dataset entry has labels (entries written before the key existed do)."""
+    return bool(dataset_info.get(LABELED_KEY, True))
 
 
 def check_schema(schema: pa.Schema, where: str) -> None:

@@ -8,6 +8,8 @@ label range per dataset:
 
 with ``num_val = round(val_fraction * num_train)`` (at least 1 when val_fraction > 0, at most
 ``num_train - 1``): the last training classes are held out, class-disjoint from train and test.
+An unlabeled dataset (``schema.is_labeled``) reads all its rows (label ``UNLABELED``) as train,
+none as val or test, and has no entries in the global label map.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def num_val_classes(num_train: int, val_fraction: float) -> int:
 def label_range(manifest: Manifest, dataset: str, split: str, val_fraction: float = 0.0) -> range:
     """The within-dataset labels that ``split`` (train | val | test) reads from ``dataset``."""
     info = manifest.datasets[dataset]
+    if not schema.is_labeled(info):
+        unlabeled = range(schema.UNLABELED, schema.UNLABELED + 1)
+        return {schema.TRAIN: unlabeled, schema.VAL: range(0), schema.TEST: range(0)}[_check_split(split)]
     num_train, num_classes = int(info["num_train_classes"]), int(info["num_classes"])
     cut = num_train - num_val_classes(num_train, val_fraction)
     ranges = {schema.TRAIN: range(0, cut), schema.VAL: range(cut, num_train),
@@ -49,10 +54,26 @@ def global_label_map(manifest: Manifest, val_fraction: float = 0.0,
     a given manifest and options, and saved with training artifacts (``save_label_map``).
     """
     out: LabelMap = {}
-    for name in manifest.select(datasets):
+    for name in labeled_datasets(manifest, datasets):
         for label in label_range(manifest, name, schema.TRAIN, val_fraction):
             out[(name, label)] = len(out)
     return out
+
+
+def _check_split(split: str) -> str:
+    if split not in schema.SPLITS:
+        raise ValueError(f"split {split!r} is not valid; choose one of {list(schema.SPLITS)}")
+    return split
+
+
+def labeled_datasets(manifest: Manifest, datasets: Sequence[str] | None = None) -> list[str]:
+    """The selected datasets that carry labels."""
+    return [n for n in manifest.select(datasets) if schema.is_labeled(manifest.datasets[n])]
+
+
+def unlabeled_datasets(manifest: Manifest, datasets: Sequence[str] | None = None) -> list[str]:
+    """The selected datasets prepared without labels (e.g. a folder at class depth 0)."""
+    return [n for n in manifest.select(datasets) if not schema.is_labeled(manifest.datasets[n])]
 
 
 def save_label_map(label_map: LabelMap, uri: str) -> None:

@@ -35,7 +35,8 @@ def count_rows(rows: Iterable[tuple[str, int, str, str]]) -> dict[str, dict]:
     for dataset, label, split, role in rows:
         for key in (split, role) if role != split else (split,):
             images[dataset][key] += 1
-            classes[dataset][key].add(label)
+            if label != schema.UNLABELED:
+                classes[dataset][key].add(label)
     return {name: {key: {"images": images[name][key], "classes": len(classes[name][key])}
                    for key in sorted(images[name])} for name in sorted(images)}
 

@@ -7,6 +7,7 @@ from puma.models.head import EmbeddingHead
 from puma.models.lora import LoraBranch, LoraLinear, inject_lora
 from puma.models.prompt_pool import PromptPool
 from puma.models.puma_model import METHODS, PumaModel, build_model
+from puma.models.rotation import RotationHead
 from puma.models.trainable import (
     METHOD_TRAINABLE,
     count_trainable,
@@ -14,9 +15,11 @@ from puma.models.trainable import (
     trainable_parameter_groups,
     trainable_state_dict,
 )
+from puma.models.udml_ss import UdmlSsModel, register_udml_ss
 from puma.models.vpt import VisualPrompts, VptModel
 
 register_baselines()
+register_udml_ss()
 
 __all__ = [
     "METHODS",
@@ -29,7 +32,9 @@ __all__ = [
     "MlpEmbeddingHead",
     "PromptPool",
     "PumaModel",
+    "RotationHead",
     "StochasticAdapter",
+    "UdmlSsModel",
     "VisualPrompts",
     "VptModel",
     "build_model",

@@ -14,6 +14,7 @@ Parts and the optimiser group each lands in (puma.optim.build_optimizer):
                       (puma/train/memory_bank.py) outside the model
                       and DDP, only the batch's classes on the device
     head              the embedding head (linear or MLP)                head
+    rotation_head     UDML-SS's 4-way rotation-prediction head          head
     backbone_biases   every bias of the backbone (BitFit)               backbone
     backbone          every backbone parameter (full fine-tuning)       backbone
 
@@ -64,6 +65,7 @@ METHOD_TRAINABLE: dict[str, tuple[str, ...]] = {
     "bitfit": ("backbone_biases", "head"),
     "full_finetune": ("backbone", "head"),
     "vptsp_g": ("vpt_prompts", "class_prompts", "proxy_head", "gru", "head"),
+    "udml_ss": ("adapters", "prompt_pool", "head", "rotation_head"),  # adapters / pool as enabled
 }
 
 # Parts a method adds from its model's options (read from the built model).
@@ -88,10 +90,19 @@ def _backbone_weights(model: PumaModel) -> Iterator[nn.Parameter]:
     return (p for p in model.backbone.parameters() if id(p) not in peft)
 
 
+def _rotation_head(model: PumaModel) -> Iterator[nn.Parameter]:
+    head = getattr(model, "rotation_head", None)
+    if head is None:
+        raise ConfigError(f"model.method={model.method!r} declares part 'rotation_head' but its model "
+                          f"({type(model).__name__}) has none")
+    return head.parameters()
+
+
 PART_PARAMETERS: dict[str, Callable[[PumaModel], Iterable[nn.Parameter]]] = {
     **{part: (lambda m, t=t: (p for mod in peft_modules(m, (t,)) for p in mod.parameters()))
        for part, t in PEFT_PARTS.items()},
     "head": lambda m: m.head.parameters(),
+    "rotation_head": _rotation_head,
     "backbone_biases": _backbone_biases,
     "backbone": _backbone_weights,
     "class_prompts": lambda m: (),  # held by the ClassPromptBank, not by the model (see above)
@@ -128,12 +139,16 @@ def _check_no_undeclared_modules(model: PumaModel, parts: tuple[str, ...]) -> No
         if part not in parts and any(True for _ in peft_modules(model, (module_type,))):
             raise ConfigError(f"model.method={model.method!r} built {module_type.__name__} modules but "
                               f"does not train {part!r}; its declared parts are {list(parts)}")
+    if "rotation_head" not in parts and getattr(model, "rotation_head", None) is not None:
+        raise ConfigError(f"model.method={model.method!r} built a rotation head but does not train "
+                          f"'rotation_head'; its declared parts are {list(parts)}")
 
 
 def trainable_parameter_groups(model: PumaModel) -> dict[str, list[nn.Parameter]]:
     """Trainable parameters split into "backbone", "modules" and "head"."""
     modules = {id(p) for m in peft_modules(model) for p in m.parameters()}
-    head = {id(p) for p in model.head.parameters()}
+    heads = [m for m in (model.head, getattr(model, "rotation_head", None)) if m is not None]
+    head = {id(p) for m in heads for p in m.parameters()}
     groups: dict[str, list[nn.Parameter]] = {"backbone": [], "modules": [], "head": []}
     for p in model.parameters():
         if p.requires_grad:

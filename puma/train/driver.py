@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +11,9 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import storage
-from puma.config import Config, absolute_paths, to_dict
-from puma.train.loop import BEST_DIR, train_loop_per_worker
+from puma.checkpoint import META_FILE
+from puma.config import Config, ConfigError, absolute_paths, to_dict
+from puma.train.loop import BEST_DIR, TRAIN_EVAL, train_loop_per_worker
 
 
 @dataclass
@@ -54,18 +56,46 @@ def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfi
 
 
 def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The train and evaluation Ray Datasets, and what the workers need to know about labels."""
+    """The train and evaluation Ray Datasets, and what the workers need to know about labels.
+
+    A method that makes its own labels (udml_ss) also gets the training images in the eval view
+    (``train_eval``) to cluster. Unlabeled datasets train only such methods; with no labeled test
+    classes selected, training-time evaluation is skipped (``info["eval_skipped"]`` says why).
+    """
     from puma.data import pipeline
     from puma.data.prepare import ensure_prepared
-    from puma.data.splits import global_label_map
+    from puma.data.splits import global_label_map, label_range, labeled_datasets
+    from puma.train.methods import needs_train_eval
 
     manifest = ensure_prepared(cfg)
+    check_labels_for_method(cfg, manifest)
     label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
-    train = pipeline.train_dataset(cfg, manifest, label_map, mean, std)
-    evaluation = pipeline.eval_dataset(cfg, manifest, cfg.train.eval_split, mean, std)
-    info = {"num_classes": len(label_map), "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()}}
-    return {"train": train, "eval": evaluation}, info
+    datasets = {"train": pipeline.train_dataset(cfg, manifest, label_map, mean, std)}
+    info: dict[str, Any] = {"num_classes": len(label_map),
+                            "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()}}
+    if any(len(label_range(manifest, n, cfg.train.eval_split, cfg.data.val_fraction))
+           for n in labeled_datasets(manifest, cfg.data.datasets)):
+        datasets["eval"] = pipeline.eval_dataset(cfg, manifest, cfg.train.eval_split, mean, std)
+    else:
+        info["eval_skipped"] = (f"no labeled {cfg.train.eval_split} classes in {manifest.uri} (datasets "
+                                f"{manifest.select(cfg.data.datasets)}): evaluation needs labels")
+    if needs_train_eval(cfg.model.method):
+        datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
+    return datasets, info
+
+
+def check_labels_for_method(cfg: Config, manifest) -> None:
+    """A supervised method refuses unlabeled datasets, naming them and what to do instead."""
+    from puma.data.splits import unlabeled_datasets
+    from puma.train.methods import METHOD_TRAINING, needs_labels
+
+    unlabeled = unlabeled_datasets(manifest, cfg.data.datasets)
+    if unlabeled and needs_labels(cfg.model.method):
+        raise ConfigError(f"model.method={cfg.model.method!r} trains on labels, but dataset(s) {unlabeled} "
+                          f"in {manifest.uri} have none (prepared as an unlabeled catalogue); train them "
+                          f"with a label-free method {sorted(METHOD_TRAINING)} or leave them out with "
+                          f"data.datasets")
 
 
 def backbone_normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -87,6 +117,9 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     storage.configure(cfg.storage)
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
     datasets, info = build_datasets(cfg)
+    if "eval_skipped" in info and cfg.train.eval_every > 0:
+        print(f"[puma] training-time evaluation skipped: {info['eval_skipped']}", flush=True)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
     uri = run_uri(cfg)
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -95,5 +128,8 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]))
     result = trainer.fit()
     last = result.checkpoint.path if result.checkpoint is not None else None
-    return TrainOutcome(run_uri=uri, best_checkpoint=storage.join(uri, BEST_DIR),
+    best = storage.join(uri, BEST_DIR)
+    if last is not None and not storage.exists(storage.join(best, META_FILE)):
+        best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result
+    return TrainOutcome(run_uri=uri, best_checkpoint=best,
                         last_checkpoint=last, metrics=dict(result.metrics or {}))

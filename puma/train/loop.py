@@ -28,9 +28,11 @@ from puma.eval.metrics import evaluate_embeddings
 from puma.models import build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler
-from puma.train.step import TrainModule, build_train_module, train_step
+from puma.train.methods import build_method_training
+from puma.train.step import TrainModule, train_step
 
 BEST_DIR = "best"
+TRAIN_EVAL = "train_eval"  # the training images in the eval view, for methods that cluster them
 _writers: dict[str, Any] = {}
 
 
@@ -53,8 +55,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     device = ray.train.torch.get_device()
     model = build_model(cfg.model)
-    module = build_train_module(cfg, model, loop_config["num_classes"])
-    optimizer = build_optimizer(trainable_parameter_groups(model), module.loss, cfg.optim)
+    method = build_method_training(cfg, model, loop_config["num_classes"])  # puma.train.methods
+    module, loss = method.module, method.module.loss
+    optimizer = build_optimizer(trainable_parameter_groups(model), loss, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
     state, optimizer_state = _maybe_resume(module, scheduler)
     module = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={"broadcast_buffers": False})
@@ -64,7 +67,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if not state.before and cfg.train.eval_every > 0 and cfg.train.eval_before:
         state.before = _evaluate_zero_shot(cfg, device)
     for epoch in range(state.epoch, cfg.train.epochs):
-        stats = _train_epoch(cfg, module, optimizer, scaler, device, epoch, state)
+        stats = method.on_epoch_start(epoch, model, device,
+                                      lambda: _batches(TRAIN_EVAL, cfg.eval.batch_size, drop_last=False))
+        stats |= _train_epoch(cfg, module, optimizer, scaler, device, epoch, state, method.batch_labels)
         scheduler.step()
         state.epoch = epoch + 1
         metrics = _epoch_metrics(cfg, module, device, state, stats, optimizer)
@@ -101,27 +106,31 @@ def _batches(split: str, batch_size: int, drop_last: bool, **options):
     return shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=drop_last, **options)
 
 
-def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, state: RunState) -> dict:
+def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, state: RunState,
+                 batch_labels) -> dict:
     """One pass over this worker's shard of the training stream."""
     world = ray.train.get_context().get_world_size()
     per_worker = max(1, cfg.train.batch_size // world)
     module.train()
-    losses, seen, start = [], 0, time.perf_counter()
+    losses, parts, seen, start = [], {}, 0, time.perf_counter()
     from puma.data.pipeline import iter_options
 
     for i, batch in enumerate(_batches("train", per_worker, drop_last=True, **iter_options(cfg, epoch))):
         if cfg.train.max_steps_per_epoch is not None and i >= cfg.train.max_steps_per_epoch:
             break
         images = torch.as_tensor(batch["image"], device=device)  # (B, 3, H, W)
-        labels = torch.as_tensor(batch["label"], device=device, dtype=torch.long)  # (B,)
+        labels = torch.as_tensor(batch_labels(batch), device=device, dtype=torch.long)  # (B,)
         out = train_step(module, optimizer, images, labels, cfg.optim.clip_value, cfg.train.precision, scaler)
         losses.append(out["loss"])
+        for key, value in out.items():
+            parts.setdefault(key, []).append(value)
         seen += len(labels) * world
         state.step += 1
         if state.step % 10 == 0:
             _log(f"epoch {epoch + 1} step {state.step} loss {np.mean(losses[-10:]):.4f}")
     elapsed = time.perf_counter() - start
-    return {"train/loss": float(np.mean(losses)) if losses else float("nan"),
+    return {**{f"train/{k}": float(np.mean(v)) for k, v in parts.items()},
+            "train/loss": float(np.mean(losses)) if losses else float("nan"),
             "train/samples_per_s": seen / elapsed if elapsed > 0 else 0.0, "train/steps": len(losses)}
 
 

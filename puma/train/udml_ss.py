@@ -1,0 +1,94 @@
+"""UDML-SS training (paper Eq. 7): MS loss on pseudo-labels + eta x rotation cross-entropy; no Ray.
+
+    L = L_MS(g(f(x)), y) + eta * L_rot(h(f(rot_k(x))), k)
+
+x are the un-rotated (augmented) training images and y their k-means pseudo-labels
+(puma.train.pseudo_labels); the MS loss and its miner see only the un-rotated embeddings of the
+global batch. Every image is also turned by k x 90 degrees, k drawn per sample from a generator
+seeded by train.seed (the same stream on every rank), and the rotation head predicts k. The
+paper turns 16 images of each batch all four ways (Eq. 6 sums the four); here each image gets
+one draw, so L_rot is the mean cross-entropy over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pytorch_metric_learning import losses, miners
+
+from puma.config import Config, UdmlSsConfig
+from puma.losses.factory import MetricLoss
+from puma.models.rotation import draw_rotations, rotate_images
+from puma.models.udml_ss import UdmlSsModel
+from puma.train.pseudo_labels import PseudoLabels, embed_items
+from puma.train.step import TrainModule, gather_labels, gather_with_grad
+
+
+def build_ms_loss(cfg: UdmlSsConfig, embed_dim: int) -> MetricLoss:
+    """Multi-similarity loss + miner with the MS paper's settings (UDML-SS section 3.3)."""
+    return MetricLoss(losses.MultiSimilarityLoss(alpha=cfg.ms_alpha, beta=cfg.ms_beta, base=cfg.ms_base),
+                      miners.MultiSimilarityMiner(epsilon=cfg.ms_epsilon), embed_dim)
+
+
+class UdmlSsTrainModule(TrainModule):
+    """Model + MS loss on the global batch of un-rotated embeddings + eta x local rotation loss."""
+
+    def __init__(self, model: UdmlSsModel, loss: MetricLoss, eta: float, seed: int) -> None:
+        if not isinstance(model, UdmlSsModel):
+            raise TypeError(f"UDML-SS trains a UdmlSsModel (model.method=udml_ss), "
+                            f"got {type(model).__name__}")
+        super().__init__(model, loss)
+        self.eta = eta
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        turns = draw_rotations(images.shape[0], self.generator).to(images.device)  # (B,)
+        emb, logits = self.model.embed_and_rotation_logits(images, rotate_images(images, turns))
+        emb_all = gather_with_grad(emb.float())  # (B_global, E), un-rotated only
+        metric_loss = self.loss(emb_all, gather_labels(labels))
+        rotation_loss = F.cross_entropy(logits.float(), turns)  # (B, 4) vs (B,)
+        aux = self.model.aux_loss()
+        return {"loss": metric_loss + self.eta * rotation_loss + aux, "metric_loss": metric_loss.detach(),
+                "rotation_loss": rotation_loss.detach(), "aux_loss": aux.detach()}
+
+
+class UdmlSsTraining:
+    """What the worker loop asks of UDML-SS: the module, pseudo-labels per batch, re-clustering.
+
+    ``num_classes`` (the data's labelled classes) is not used: the pseudo-classes are k clusters.
+    """
+
+    needs_labels = False  # trains on catalogues without labels
+    needs_train_eval = True  # clusters the training images in the eval view
+
+    def __init__(self, cfg: Config, model: UdmlSsModel, num_classes: int = 0) -> None:
+        u = cfg.model.udml_ss
+        self.cfg = u
+        loss = build_ms_loss(u, cfg.model.head.embed_dim)
+        self.module = UdmlSsTrainModule(model, loss, u.eta, cfg.train.seed)
+        self.pseudo_labels = PseudoLabels(u.num_clusters, u.recluster_every, cfg.train.seed, u.kmeans_niter,
+                                          u.kmeans_gpu)
+
+    def on_epoch_start(self, epoch: int, model: UdmlSsModel, device: torch.device,
+                       train_eval_batches: Callable[[], Iterable[dict]]) -> dict[str, float]:
+        """Re-cluster when due: the first time on backbone features (paper), then on embeddings."""
+        features = self.cfg.cluster_features_first and epoch == 0
+
+        def embed_fn(x: torch.Tensor) -> torch.Tensor:
+            return F.normalize(model.forward_features(x), dim=-1) if features else model(x)
+
+        def embed() -> tuple[np.ndarray, np.ndarray]:
+            model.eval()
+            try:
+                return embed_items(embed_fn, train_eval_batches(), device)
+            finally:
+                model.train()
+
+        return self.pseudo_labels.refresh(epoch, embed)
+
+    def batch_labels(self, batch: dict) -> np.ndarray:
+        """The pseudo-labels of a training batch, by item_id."""
+        return self.pseudo_labels.lookup(batch["item_id"])
