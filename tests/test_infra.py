@@ -478,21 +478,6 @@ def test_entrypoint_runs_an_existing_job_whose_help_and_config_resolve(where, co
         assert resolved.returncode == 0, resolved.stderr[-2000:]
 
 
-DOCUMENTED_JOBS = ("jobs/train.py", "jobs/prepare_data.py", "jobs/embed.py", "jobs/search.py",
-                   "jobs/evaluate.py", "tune/sweep.py")
-
-
-@pytest.mark.parametrize("job", DOCUMENTED_JOBS)
-def test_every_job_the_images_and_docs_name_exists_and_helps(job):
-    """The container images run `--help` of each of these at build time; infra/README submits them."""
-    path = ROOT / job
-    assert path.is_file(), f"{job} is named by cluster/Dockerfile.* and the READMEs but does not exist"
-    for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
-        assert job in (ROOT / "cluster" / dockerfile).read_text(), dockerfile
-    helped = job_help(path)
-    assert helped.returncode == 0 and "--config" in helped.stdout, helped.stderr[-2000:]
-
-
 def _check_config_args(args: list[str], where: str) -> None:
     """--config names a file in the repository; every key=value is a real config key."""
     from puma.config import parse_override, valid_keys
