@@ -297,6 +297,15 @@ def test_missing_checkpoint_and_empty_catalogue_are_clear_errors(checkpoint, tmp
     assert "has no items to embed" in capsys.readouterr().err
 
 
+def test_decode_stage_and_catalogue_listing_import_neither_faiss_nor_torch():
+    """Ray Data decode workers unpickle read_and_decode by reference: its imports are all they load."""
+    code = ("import sys, puma.inference.embedder, puma.inference.catalogue, puma.data.pipeline; "
+            "print(sorted(m for m in ('faiss', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.gpu
 def test_embed_on_gpu(ray_cluster, checkpoint, tmp_path):
     if not torch.cuda.is_available() or ray_cluster.cluster_resources().get("GPU", 0) < 1:
