@@ -21,12 +21,10 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import encode_image, special_images, write_cub_tree
-from tiny import tiny_config
+from tiny import make_checkpoint, reference_embeddings
 
 from puma import storage
-from puma.checkpoint import CheckpointState, load_model, probe_embeddings, save_checkpoint
 from puma.config import load_config
-from puma.data.images import ViewSpec, make_view
 from puma.data.prepare import prepare
 from puma.data.rejects import read_rejects
 from puma.data.sources import SourceSpec
@@ -34,9 +32,6 @@ from puma.index import ShardedIndex, read_manifest, verify
 from puma.index.table import read_table
 from puma.inference import embed_catalogue, watch
 from puma.inference.job import checkpoint_id
-from puma.models import build_model
-from puma.models.trainable import trainable_state_dict
-from puma.train.driver import backbone_normalisation
 
 REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
@@ -53,20 +48,6 @@ def _load_job():
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-def make_checkpoint(uri: str, seed: int = 0) -> str:
-    """A tiny PUMA checkpoint with perturbed (non-initial) trainable weights and its probe."""
-    cfg = tiny_config()
-    torch.manual_seed(0)  # the same random backbone for every seed
-    model = build_model(cfg.model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    meta = {"probe": probe_embeddings(model, cfg.model.backbone.img_size), "backbone_weights": "none"}
-    return save_checkpoint(uri, CheckpointState(config=cfg, model=trainable_state_dict(model), meta=meta))
 
 
 @pytest.fixture(scope="module")
@@ -102,22 +83,6 @@ def embed_cfg(root: Path, checkpoint: str, *overrides: str):
 def stored(index_uri: str) -> pa.Table:
     """Every committed embeddings row of the index."""
     return read_table(storage.join(index_uri, "shards"))
-
-
-def reference_embeddings(checkpoint: str, table: pa.Table) -> np.ndarray:
-    """The in-process model forward of each row's image bytes (eval view), no Ray: (N, E)."""
-    import pyarrow.parquet as pq
-
-    model, cfg = load_model(checkpoint)
-    mean, std = backbone_normalisation(cfg)
-    spec = ViewSpec(img_size=cfg.model.backbone.img_size, mean=mean, std=std, train=False)
-    views = []
-    for uri, row in zip(table["image_uri"].to_pylist(), table["image_row"].to_pylist(), strict=True):
-        data = Path(uri).read_bytes() if row < 0 else \
-            pq.read_table(uri, columns=["image"])["image"][row].as_py()
-        views.append(make_view(data, spec))
-    with torch.no_grad():
-        return model(torch.from_numpy(np.stack(views))).numpy()
 
 
 # ----------------------------------------------------------------------------- tests
@@ -330,6 +295,15 @@ def test_missing_checkpoint_and_empty_catalogue_are_clear_errors(checkpoint, tmp
     assert job.main(["--catalogue", str(tmp_path / "empty"), f"embed.checkpoint={checkpoint}",
                      f"index.uri={tmp_path / 'index'}"]) == 2
     assert "has no items to embed" in capsys.readouterr().err
+
+
+def test_decode_stage_and_catalogue_listing_import_neither_faiss_nor_torch():
+    """Ray Data decode workers unpickle read_and_decode by reference: its imports are all they load."""
+    code = ("import sys, puma.inference.embedder, puma.inference.catalogue, puma.data.pipeline; "
+            "print(sorted(m for m in ('faiss', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.gpu

@@ -1,4 +1,8 @@
-"""Evaluation through the sharded index equals the core metrics (exact index) and approximates them (IVF)."""
+"""Evaluation through the sharded index equals the core metrics (exact index) and approximates them (IVF).
+
+The last test runs ``jobs/evaluate.py --embed`` end to end: a prepared dataset of real images, a
+tiny checkpoint (tests/tiny.py), the embedding job on the test Ray cluster, then the metrics.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,24 @@ import faiss.contrib.torch_utils  # noqa: F401 - as pytorch-metric-learning does
 import numpy as np
 import pyarrow as pa
 import pytest
+from tiny import make_checkpoint, reference_embeddings
 
+from puma import storage
 from puma.config import IndexConfig
+from puma.data.manifest import load_manifest
+from puma.data.prepare import prepare
+from puma.data.sources import SourceSpec
 from puma.eval import RetrievalInputError, evaluate_embeddings
 from puma.eval.index_eval import evaluate_index
-from puma.index import ShardedIndex, build_index
+from puma.index import ShardedIndex, build_index, read_manifest
+from puma.index.table import read_columns, read_table
 
 DIM = 16
 KS = (1, 2, 4, 8)
+REPO = Path(__file__).resolve().parent.parent
+FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
+if not FLOWERS.exists():
+    FLOWERS = Path("/work/shared/data/flowers12-subset")
 
 
 def clustered_catalogue(seed: int = 0) -> tuple[pa.Table, dict[str, np.ndarray]]:
@@ -112,10 +126,16 @@ def test_restricted_search_returns_only_allowed_ids(tmp_path: Path) -> None:
     assert (few[:, 3:] == -1).all() and set(few[0, :3]) == {0, 1, 2}
 
 
-def test_evaluate_job_end_to_end(tmp_path: Path, capsys) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+def load_evaluate_job():
+    """jobs/evaluate.py as a module (its main(argv))."""
+    sys.path.insert(0, str(REPO / "jobs"))
     import evaluate as evaluate_job
 
+    return evaluate_job
+
+
+def test_evaluate_job_end_to_end(tmp_path: Path, capsys) -> None:
+    evaluate_job = load_evaluate_job()
     table, cols = clustered_catalogue()
     uri = str(tmp_path / "index")
     build_index(uri, table, IndexConfig(index_type="flat", shard_size=100))
@@ -134,3 +154,67 @@ def test_evaluate_job_end_to_end(tmp_path: Path, capsys) -> None:
     build_index(str(tmp_path / "bad"), with_labels(table, labels), IndexConfig(index_type="flat"))
     assert evaluate_job.main(["--index", str(tmp_path / "bad")]) == 2
     assert "label -1" in capsys.readouterr().err
+
+
+def flower_folder(root: Path, classes: int = 4, per_class: int = 4) -> Path:
+    """A class-per-folder tree of real Oxford-Flowers photos: the first ``classes`` species."""
+    for species in sorted(p for p in FLOWERS.iterdir() if p.is_dir())[:classes]:
+        (root / species.name).mkdir(parents=True)
+        for photo in sorted(species.glob("*.jpg"))[:per_class]:
+            (root / species.name / photo.name).write_bytes(photo.read_bytes())
+    return root
+
+
+def prepared_test_split(prepared: str) -> pa.Table:
+    """The prepared test split's rows (no image bytes), with where each image is: the reference."""
+    tables = []
+    for shard in load_manifest(prepared).shard_uris("test"):
+        cols = read_columns(shard, ["item_id", "dataset", "label", "role"])
+        tables.append(cols.append_column("image_uri", pa.array([shard] * len(cols)))
+                      .append_column("image_row", pa.array(np.arange(len(cols), dtype=np.int64))))
+    return pa.concat_tables(tables)
+
+
+def test_evaluate_job_embeds_the_test_split_and_equals_core_metrics(ray_cluster, cub_tree, tmp_path, capsys):
+    """`jobs/evaluate.py --embed`: real images -> tiny checkpoint -> index -> the core metrics, to 1e-5."""
+    cub_tree(tmp_path / "raw_cub", num_classes=4, per_class=4)
+    specs = [SourceSpec("cub", "cub", str(tmp_path / "raw_cub")),
+             SourceSpec("folder", "flowers", str(flower_folder(tmp_path / "raw_flowers")))]
+    prepared = str(tmp_path / "prepared")
+    prepare(specs, prepared, shard_rows=5, log=lambda _: None)  # test split: 2 x 8 items, 4 shards
+    checkpoint = make_checkpoint(str(tmp_path / "ckpt" / "best"))
+    index = str(tmp_path / "index")
+    argv = ["--embed", "--index", index, "--checkpoint", checkpoint, f"data.uri={prepared}",
+            "eval.ks=[1,2,4]", "embed.commit_rows=6", "embed.batch_size=4", "data.decode_batch_size=4",
+            "embed.num_cpus=1"]
+    assert load_evaluate_job().main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"embedded 16 test images of {prepared} into {index}" in out
+
+    refs = prepared_test_split(prepared)
+    stored = read_table(storage.join(index, "shards"))
+    assert len(refs) == 16 and sorted(stored["item_id"].to_pylist()) == sorted(refs["item_id"].to_pylist())
+    meta = ["item_id", "dataset", "label", "role"]
+    by_id = {r["item_id"]: r for r in stored.select(meta).to_pylist()}
+    assert [by_id[i] for i in refs["item_id"].to_pylist()] == refs.select(meta).to_pylist()
+    manifest = read_manifest(index)
+    assert (manifest.index_type, manifest.total, [s.count for s in manifest.shards]) == ("flat", 16, [8, 8])
+
+    emb = reference_embeddings(checkpoint, refs)  # (16, E), in-process forward of the eval views
+    row_of = {item: row for row, item in enumerate(stored["item_id"].to_pylist())}
+    rows = [row_of[i] for i in refs["item_id"].to_pylist()]
+    got = np.stack(stored["embedding"].to_numpy(zero_copy_only=False))[rows]  # (16, E) in reference order
+    np.testing.assert_allclose(got, emb, atol=1e-5)
+    want = evaluate_embeddings(emb, refs["label"].to_numpy(), np.asarray(refs["dataset"].to_pylist()),
+                               np.asarray(refs["role"].to_pylist()), ks=(1, 2, 4))
+    record = json.loads(Path(index, "evaluation.json").read_text())
+    assert set(record["metrics"]) == set(want) and {"cub/r@4", "flowers/map@r", "harmonic/rp"} <= set(want)
+    for key, value in want.items():
+        assert record["metrics"][key] == pytest.approx(value, abs=1e-5), key
+    for row in ("cub", "flowers", "unified"):
+        line = next(x for x in out.splitlines() if x.startswith(row + " "))
+        assert line.split()[1:] == [f"{want[f'{row}/{m}']:.4f}" for m in ("r@1", "map@r", "rp")]
+
+    assert load_evaluate_job().main(argv) == 0  # again: nothing re-embedded, the same metrics
+    assert "embedded 0 test images" in capsys.readouterr().out
+    assert json.loads(Path(index, "evaluation.json").read_text())["metrics"] == record["metrics"]

@@ -2,16 +2,25 @@
 
 pytest puts ``tests/`` on ``sys.path`` for test modules, so other test files can share these.
 The tiny backbone is timm's ViT-Ti/16 shrunk to 32 px, patch 8 (4x4 grid), width 48, 2 blocks.
+``make_checkpoint`` saves a real tiny checkpoint; ``reference_embeddings`` is its in-process forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 
+from puma.checkpoint import CheckpointState, load_model, probe_embeddings, save_checkpoint
 from puma.config import Config, ModelConfig, from_dict, to_dict
+from puma.data.images import ViewSpec, make_view
+from puma.models import build_model
+from puma.models.trainable import trainable_state_dict
+from puma.train.driver import backbone_normalisation
 
 TINY_BACKBONE = {
     "name": "vit_tiny_patch16_224",
@@ -60,3 +69,34 @@ def assert_eval_deterministic_train_stochastic(model: torch.nn.Module, x: torch.
         assert torch.equal(model(x), model(x))
         model.train()
         assert not torch.equal(model(x), model(x))
+
+
+def make_checkpoint(uri: str, seed: int = 0) -> str:
+    """A tiny PUMA checkpoint with perturbed (non-initial) trainable weights and its probe."""
+    cfg = tiny_config()
+    torch.manual_seed(0)  # the same random backbone for every seed
+    model = build_model(cfg.model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    meta = {"probe": probe_embeddings(model, cfg.model.backbone.img_size), "backbone_weights": "none"}
+    return save_checkpoint(uri, CheckpointState(config=cfg, model=trainable_state_dict(model), meta=meta))
+
+
+
+def reference_embeddings(checkpoint: str, table: pa.Table) -> np.ndarray:
+    """The in-process model forward of each row's image bytes (eval view), no Ray: (N, E)."""
+    import pyarrow.parquet as pq
+
+    model, cfg = load_model(checkpoint)
+    mean, std = backbone_normalisation(cfg)
+    spec = ViewSpec(img_size=cfg.model.backbone.img_size, mean=mean, std=std, train=False)
+    views = []
+    for uri, row in zip(table["image_uri"].to_pylist(), table["image_row"].to_pylist(), strict=True):
+        data = Path(uri).read_bytes() if row < 0 else \
+            pq.read_table(uri, columns=["image"])["image"][row].as_py()
+        views.append(make_view(data, spec))
+    with torch.no_grad():
+        return model(torch.from_numpy(np.stack(views))).numpy()

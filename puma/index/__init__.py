@@ -2,7 +2,8 @@
 
 An index is a folder (local path or s3://) of shards plus ``manifest.json``; see
 ``puma.index.manifest`` for the layout and ``puma.index.plan`` for how the type is chosen.
-Importing this package imports faiss, numpy and pyarrow, never Ray or torch.
+Importing this package imports numpy and pyarrow, never faiss (loaded on first use, see
+``puma.index.backend``), Ray or torch.
 """
 
 from puma.index.build import (

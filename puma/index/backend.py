@@ -2,7 +2,9 @@
 search restricted to a set of ids (``id_selector``; FAISS GPU indexes ignore selectors, so restricted
 searches run on CPU copies of the shards).
 
-Only this module and ``search.py`` import faiss. GPUs are used when ``use_gpu`` is set and
+Only this module imports faiss, and only inside the functions that call it, so importing
+``puma.index`` does not load faiss (Ray Data decode workers import ``puma.index.table`` for its
+column names and Parquet reads, and need no faiss). GPUs are used when ``use_gpu`` is set and
 ``faiss.get_num_gpus() > 0`` (a faiss-gpu build on a GPU machine); otherwise everything runs on CPU.
 """
 
@@ -10,29 +12,38 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
-import faiss
 import numpy as np
 
 from puma.index.plan import PQ_CENTROIDS, IndexInputError, IndexPlan
 
+if TYPE_CHECKING:
+    import faiss
+
 log = logging.getLogger(__name__)
 GPU_MAX_K = 2048  # FAISS GPU k-selection limit
-METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+METRICS = {"ip": "METRIC_INNER_PRODUCT", "l2": "METRIC_L2"}  # plan.metric -> faiss constant name
 
 
 def gpus_available(use_gpu: bool) -> bool:
     """True when GPUs are wanted and FAISS sees at least one."""
+    import faiss
+
     return bool(use_gpu) and faiss.get_num_gpus() > 0
 
 
 def new_index(plan: IndexPlan) -> faiss.Index:
     """An empty CPU index from the plan's factory string and metric."""
-    return faiss.index_factory(plan.dim, plan.factory, METRICS[plan.metric])
+    import faiss
+
+    return faiss.index_factory(plan.dim, plan.factory, getattr(faiss, METRICS[plan.metric]))
 
 
 def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
     """The IVF part of an index, or None for flat indexes."""
+    import faiss
+
     try:
         return faiss.extract_index_ivf(index)
     except RuntimeError:
@@ -41,6 +52,8 @@ def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
 
 def train_index(index: faiss.Index, x: np.ndarray, use_gpu: bool) -> faiss.Index:
     """Train ``index`` on x (n, E); the coarse k-means runs on all GPUs when available."""
+    import faiss
+
     ivf = ivf_of(index)
     if ivf is None:
         return index  # flat: nothing to learn
@@ -56,6 +69,8 @@ def train_index(index: faiss.Index, x: np.ndarray, use_gpu: bool) -> faiss.Index
 
 
 def _check_train_size(ivf: faiss.IndexIVF, n: int) -> None:
+    import faiss
+
     need = max(ivf.nlist, PQ_CENTROIDS if isinstance(ivf, faiss.IndexIVFPQ) else 1)
     if n < need:
         raise IndexInputError(f"training {ivf.nlist} IVF lists needs at least {need} vectors, got {n}; "
@@ -64,16 +79,22 @@ def _check_train_size(ivf: faiss.IndexIVF, n: int) -> None:
 
 def serialize(index: faiss.Index) -> bytes:
     """The index as bytes (FAISS's own format)."""
+    import faiss
+
     return faiss.serialize_index(index).tobytes()
 
 
 def deserialize(data: bytes) -> faiss.Index:
     """An index from ``serialize`` bytes."""
+    import faiss
+
     return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
 
 
 @functools.lru_cache(maxsize=1)
 def _cloner_options() -> faiss.GpuMultipleClonerOptions:
+    import faiss
+
     options = faiss.GpuMultipleClonerOptions()
     options.useFloat16LookupTables = True  # IVF-PQ with large codes needs it on GPU
     return options
@@ -81,6 +102,8 @@ def _cloner_options() -> faiss.GpuMultipleClonerOptions:
 
 def to_search_device(index: faiss.Index, use_gpu: bool) -> tuple[faiss.Index, bool]:
     """The index on all GPUs when available (falls back to CPU on an unsupported layout)."""
+    import faiss
+
     if not gpus_available(use_gpu):
         return index, False
     try:
@@ -92,6 +115,8 @@ def to_search_device(index: faiss.Index, use_gpu: bool) -> tuple[faiss.Index, bo
 
 def set_nprobe(index: faiss.Index, nprobe: int, on_gpu: bool) -> None:
     """Lists visited per query for IVF indexes (no-op for flat)."""
+    import faiss
+
     if on_gpu:
         faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
     elif ivf_of(index) is not None:
@@ -100,6 +125,8 @@ def set_nprobe(index: faiss.Index, nprobe: int, on_gpu: bool) -> None:
 
 def id_selector(allowed: np.ndarray) -> faiss.IDSelector:
     """A FAISS selector of the global ids whose entry in the bool mask ``allowed`` (N,) is True."""
+    import faiss
+
     bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # (ceil(N/8),) uint8
     selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
     selector.referenced_objects = [bits]  # the bitmap must live as long as the selector
@@ -109,6 +136,8 @@ def id_selector(allowed: np.ndarray) -> faiss.IDSelector:
 def search(index: faiss.Index, q: np.ndarray, k: int,
            selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
     """index.search (Q, E) -> (Q, k) scores, ids; only ids the selector allows (CPU indexes only)."""
+    import faiss
+
     if selector is None:
         return index.search(q, k)
     # The C++ method: faiss.contrib.torch_utils (imported by pytorch-metric-learning) replaces
@@ -125,6 +154,8 @@ def search_preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, lists: np.nda
                        coarse_scores: np.ndarray,
                        selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scan the given lists (Q, nprobe) of an IVF index; only ids the selector allows."""
+    import faiss
+
     if selector is None:
         return ivf.search_preassigned(q, k, lists, coarse_scores)
     n = len(q)  # the Python wrapper refuses params here, so call the C++ method with them

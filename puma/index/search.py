@@ -17,8 +17,8 @@ its CPU copies; without them such a search is refused.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,6 +29,9 @@ from puma.index.manifest import FileEntry, IndexIntegrityError, Manifest, read_m
 from puma.index.plan import IndexInputError
 from puma.index.table import EMBEDDING, ITEM_ID, embedding_matrix, read_columns, read_rows
 from puma.index.verify import verify
+
+if TYPE_CHECKING:
+    import faiss
 
 log = logging.getLogger(__name__)
 

@@ -3,18 +3,32 @@
 ``embed_catalogue(cfg, catalogue)`` embeds one catalogue (a prepared dataset or images under a
 prefix) with a checkpoint, in a Ray Data actor pool, and adds the new items to the index;
 ``watch(cfg, prefix)`` does it for every catalogue under a prefix. See ``puma.inference.job``.
+
+The names below are imported on first use (PEP 562), so a Ray Data decode worker that unpickles
+``puma.inference.embedder.read_and_decode`` imports that module only, not the job (torch).
 """
 
-from puma.inference.catalogue import CatalogueError, catalogue_refs, list_catalogues
-from puma.inference.embedder import Embedder
-from puma.inference.job import (
-           EmbedReport,
-           checkpoint_id,
-           embed_catalogue,
-           rejects_uri,
-           resolve_checkpoint,
-           watch,
-)
+from __future__ import annotations
 
-__all__ = ["CatalogueError", "EmbedReport", "Embedder", "catalogue_refs", "checkpoint_id", "embed_catalogue",
-           "list_catalogues", "rejects_uri", "resolve_checkpoint", "watch"]
+import importlib
+
+_EXPORTS = {
+    "CatalogueError": "catalogue", "catalogue_refs": "catalogue", "list_catalogues": "catalogue",
+    "Embedder": "embedder",
+    "EmbedReport": "job", "checkpoint_id": "job", "embed_catalogue": "job", "rejects_uri": "job",
+    "resolve_checkpoint": "job", "watch": "job",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Import the submodule that defines ``name`` on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
