@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from puma import storage
+    from puma.checkpoint import best_checkpoint_uri
     from puma.index import verify
     from puma.index.run import run_search
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             report = verify(cfg.index.uri).raise_if_bad()
             print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
                   f"{report.files_checked} files")
-        checkpoint = args.checkpoint or storage.join(cfg.train.storage_path, cfg.train.run_name, "best")
+        checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
         outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self,
                              args.image, checkpoint, args.grid)
     except ValueError as exc:  # IndexInputError / IndexIntegrityError: say what is wrong, no traceback

@@ -28,6 +28,7 @@ LOSS_FILE = "loss.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
+BEST_DIR = "best"  # <run>/best: the best checkpoint by train.best_metric
 
 
 class CheckpointError(ValueError):
@@ -184,3 +185,8 @@ def load_model(uri: str, backbone_weights: str | None = None,
     if verify:
         verify_probe(model, state.meta, state.config.model.backbone.img_size, uri)
     return model, state.config
+
+
+def best_checkpoint_uri(cfg: Config) -> str:
+    """Where training keeps its best checkpoint: <train.storage_path>/<train.run_name>/best."""
+    return storage.join(cfg.train.storage_path, cfg.train.run_name, BEST_DIR)

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from puma import storage
-from puma.checkpoint import MODEL_FILE, CheckpointState, read_checkpoint
+from puma.checkpoint import MODEL_FILE, CheckpointState, best_checkpoint_uri, read_checkpoint
 from puma.config import Config, absolute_paths, to_dict
 from puma.data.images import ViewSpec
 from puma.data.rejects import read_rejects, reject_counts
@@ -90,8 +90,7 @@ class EmbedReport:
 
 def resolve_checkpoint(cfg: Config, checkpoint: str | None = None) -> str:
     """``checkpoint``, else embed.checkpoint, else <train.storage_path>/<train.run_name>/best."""
-    default = storage.join(cfg.train.storage_path, cfg.train.run_name, "best")
-    uri = checkpoint or cfg.embed.checkpoint or default
+    uri = checkpoint or cfg.embed.checkpoint or best_checkpoint_uri(cfg)
     return storage.absolute(uri)
 
 

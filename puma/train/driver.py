@@ -11,9 +11,9 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import storage
-from puma.checkpoint import META_FILE
+from puma.checkpoint import BEST_DIR, META_FILE
 from puma.config import Config, ConfigError, absolute_paths, to_dict
-from puma.train.loop import BEST_DIR, TRAIN_EVAL, train_loop_per_worker
+from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from puma import storage
 from puma.checkpoint import (
+    BEST_DIR,
     CheckpointState,
     load_trainable,
     probe_embeddings,
@@ -31,7 +32,6 @@ from puma.optim import build_optimizer, build_scheduler
 from puma.train.methods import build_method_training
 from puma.train.step import TrainModule, train_step
 
-BEST_DIR = "best"
 TRAIN_EVAL = "train_eval"  # the training images in the eval view, for methods that cluster them
 _writers: dict[str, Any] = {}
 
