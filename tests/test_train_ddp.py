@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import tiny_images, tiny_model_config
+from tiny import tiny_images, tiny_model_config, train_module_state
 
 from puma.config import LossConfig, OptimConfig
 from puma.losses import build_loss
 from puma.models import build_model
-from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
+from puma.models.trainable import trainable_parameter_groups
 from puma.optim import build_optimizer
 from puma.train.step import TrainModule, train_step
 
@@ -30,12 +30,6 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tiny_images(GLOBAL_BATCH, seed=step), labels
 
 
-def _state(module: TrainModule) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.detach().clone() for k, v in trainable_state_dict(module.model).items()}
-    out.update({f"loss.{k}": v.detach().clone() for k, v in module.loss.state_dict().items()})
-    return out
-
-
 def _worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
@@ -50,7 +44,7 @@ def _worker(config: dict) -> None:
         train_step(ddp, optimizer, images[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per],
                    clip_value=1.0)
     if rank == 0:
-        save_file(_state(module), config["out"])
+        save_file(train_module_state(module), config["out"])
     ray.train.report({"done": 1})
 
 
@@ -65,11 +59,11 @@ def test_two_workers_match_one_process(ray_cluster, tmp_path):
     distributed = load_file(out)
 
     module, optimizer = _module()
-    initial = _state(module)
+    initial = train_module_state(module)
     for step in range(STEPS):
         images, labels = _global_batch(step)
         train_step(module, optimizer, images, labels, clip_value=1.0)
-    single = _state(module)
+    single = train_module_state(module)
 
     assert set(distributed) == set(single)
     moved = [k for k in single if not torch.equal(single[k], initial[k])]

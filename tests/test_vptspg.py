@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_train_job import tiny_data  # noqa: F401 (fixture)
-from tiny import tiny_images, tiny_model_config
+from tiny import tiny_images, tiny_model_config, train_module_state
 
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, read_checkpoint, save_checkpoint
 from puma.config import Config, ConfigError, LossConfig, OptimConfig, VptspgConfig, load_config
@@ -350,7 +350,7 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     opt.load_state_dict(ckpt.optimizer)
     for step in range(2, 4):
         train_step(resumed, opt, *batch(step), clip_value=1.0)
-    assert_states_equal(_ddp_state(resumed), _ddp_state(straight), atol=0)
+    assert_states_equal(train_module_state(resumed), train_module_state(straight), atol=0)
 
 
 def test_bank_refuses_a_table_of_another_shape():
@@ -364,12 +364,6 @@ def test_bank_refuses_a_table_of_another_shape():
 # ----------------------------------------------------------------------------- DDP
 
 GLOBAL_BATCH, DDP_STEPS = 8, 3
-
-
-def _ddp_state(module: VptspgTrainModule) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.detach().clone() for k, v in trainable_state_dict(module.model).items()}
-    out.update({f"loss.{k}": v.detach().clone() for k, v in module.loss.state_dict().items()})
-    return out
 
 
 def _ddp_worker(config: dict) -> None:
@@ -386,7 +380,7 @@ def _ddp_worker(config: dict) -> None:
         labels = labels.roll(rank)  # ranks see different classes: their gathered rows must still agree
         train_step(ddp, optimizer, images[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per],
                    clip_value=1.0)
-    save_file(_ddp_state(module), config["out"].format(rank=rank))
+    save_file(train_module_state(module), config["out"].format(rank=rank))
     ray.train.report({"done": 1})
 
 
@@ -405,7 +399,7 @@ def test_two_workers_match_one_process(ray_cluster, tmp_path):
         images, labels = batch(step, GLOBAL_BATCH)
         labels = torch.cat([labels.roll(0)[:4], labels.roll(1)[4:]])  # the ranks' slices, in rank order
         train_step(module, optimizer, images, labels, clip_value=1.0)
-    single = _ddp_state(module)
+    single = train_module_state(module)
     for key in single:
         torch.testing.assert_close(ranks[0][key], ranks[1][key], rtol=0, atol=0, msg=key)  # replicas agree
         torch.testing.assert_close(without_key_bias(key, ranks[0][key]), without_key_bias(key, single[key]),

@@ -100,3 +100,12 @@ def reference_embeddings(checkpoint: str, table: pa.Table) -> np.ndarray:
         views.append(make_view(data, spec))
     with torch.no_grad():
         return model(torch.from_numpy(np.stack(views))).numpy()
+
+
+def train_module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of a train module's trainable model tensors ("model.*") and loss state ("loss.*")."""
+    from puma.models.trainable import trainable_state_dict
+
+    out = {f"model.{k}": v.detach().clone() for k, v in trainable_state_dict(module.model).items()}
+    out.update({f"loss.{k}": v.detach().clone() for k, v in module.loss.state_dict().items()})
+    return out
