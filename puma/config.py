@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
+from puma import storage
+
 
 class ConfigError(ValueError):
     """A configuration key or value is invalid; the message says which and what is valid."""
@@ -613,8 +615,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _read_yaml(path: str | Path) -> dict:
-    from puma import storage
-
     text = storage.read_text(str(path))
     data = yaml.safe_load(text) or {}
     _check(isinstance(data, dict), f"config file {path}: expected a mapping at the top level")

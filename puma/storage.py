@@ -1,6 +1,7 @@
 """The one storage layer: every URI (local path or ``s3://bucket/key``) goes through here.
 
-S3 settings come from ``configure(StorageConfig)`` or the environment (``AWS_ENDPOINT_URL``,
+S3 settings come from ``configure(settings)`` (a ``puma.config.StorageConfig``, or what
+``current_config()`` returned in another process) or the environment (``AWS_ENDPOINT_URL``,
 ``AWS_REGION``); credentials come only from the standard AWS chain and are never logged.
 Nothing else in the project talks to S3 directly.
 """
@@ -37,7 +38,7 @@ _fs_cache: dict[tuple, pafs.FileSystem] = {}
 
 
 def configure(cfg) -> None:
-    """Apply a ``puma.config.StorageConfig`` (endpoint, region, retries) to this process."""
+    """Apply S3 settings (``endpoint_url``, ``region``, ``retries``: a StorageConfig) to this process."""
     _settings.endpoint_url = cfg.endpoint_url
     _settings.region = cfg.region
     _settings.retries = cfg.retries
@@ -224,11 +225,9 @@ def redact(text: str) -> str:
     return text
 
 
-def current_config():
-    """The S3 settings in force in this process as a StorageConfig, to hand to Ray tasks and actors."""
-    from puma.config import StorageConfig
-
-    return StorageConfig(endpoint_url=s3_endpoint(), region=s3_region(), retries=_settings.retries)
+def current_config() -> _S3Settings:
+    """The S3 settings in force in this process, to hand to Ray tasks and actors (``configure`` them)."""
+    return _S3Settings(endpoint_url=s3_endpoint(), region=s3_region(), retries=_settings.retries)
 
 
 def boto3_client(service: str = "s3"):
