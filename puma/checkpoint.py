@@ -12,7 +12,6 @@ Layout::
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from puma import storage
+from puma import library_versions, storage
 from puma.config import Config, dump_yaml, from_dict
 
 MODEL_FILE = "model.safetensors"
@@ -29,6 +28,8 @@ OPTIM_FILE = "optimizer.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
 BEST_DIR = "best"  # <run>/best: the best checkpoint by train.best_metric
+# the libraries that shape a checkpoint's meaning (meta.json "versions")
+LIBRARIES = ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray")
 
 
 class CheckpointError(ValueError):
@@ -46,19 +47,6 @@ class CheckpointState:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries that shape a checkpoint's meaning."""
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            continue
-    return out
-
-
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
@@ -68,7 +56,7 @@ def save_checkpoint(uri: str, state: CheckpointState) -> str:
     storage.makedirs(uri)
     storage.write_bytes(storage.join(uri, MODEL_FILE), st_save(_cpu(state.model)))
     storage.write_bytes(storage.join(uri, LOSS_FILE), st_save(_cpu(state.loss)))
-    meta = dict(state.meta, versions=library_versions())
+    meta = dict(state.meta, versions=library_versions(LIBRARIES))
     if state.optimizer is not None:
         tensors, layout = flatten_optimizer_state(state.optimizer)
         storage.write_bytes(storage.join(uri, OPTIM_FILE), st_save(tensors))

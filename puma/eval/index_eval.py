@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from puma import storage
+from puma import library_versions, storage
 from puma.config import IndexConfig
 from puma.eval.knn import RetrievalInputError
 from puma.eval.metrics import NeighbourSearch, evaluate_protocol
-from puma.index.manifest import library_versions
+from puma.index.manifest import LIBRARIES
 from puma.index.search import ShardedIndex, drop_self
 from puma.index.table import DATASET, EMBEDDING, INDEX_ID, ITEM_ID, LABEL, NO_LABEL, ROLE, embedding_matrix
 
@@ -135,7 +135,8 @@ def run_evaluation(uri: str, cfg: IndexConfig, ks: Sequence[int], out_uri: str =
     record = {"index": uri, "metrics": metrics, "ks": sorted(set(ks)), "nprobe": cfg.nprobe,
               "index_type": manifest.index_type, "factory": manifest.factory, "model_id": manifest.model_id,
               "items": index.ntotal, "shards": len(manifest.shards), "index_updated": manifest.updated,
-              "evaluated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": library_versions()}
+              "evaluated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "versions": library_versions(LIBRARIES)}
     out_uri = out_uri or storage.join(uri, EVALUATION_FILE)
     storage.write_text(out_uri, json.dumps(record, indent=2, sort_keys=True))
     return metrics, out_uri

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from puma import storage
+from puma import library_versions, storage
 from puma.config import IndexConfig
 from puma.index import backend
 from puma.index.manifest import (
+    LIBRARIES,
     SHARD_EMBEDDINGS_FILE,
     SHARD_INDEX_FILE,
     SHARDS_DIR,
@@ -32,7 +33,6 @@ from puma.index.manifest import (
     Manifest,
     ShardEntry,
     has_manifest,
-    library_versions,
     now,
     orphan_shards,
     read_manifest,
@@ -87,7 +87,7 @@ def create_index(uri: str, cfg: IndexConfig, train_vectors: np.ndarray, expected
                         factory=plan.factory, nlist=plan.nlist, pq_m=plan.pq_m, shard_size=cfg.shard_size,
                         train_count=len(sample) if plan.index_type != "flat" else 0,
                         memory_estimate_bytes=plan.memory_bytes, trained=entry, created=now(),
-                        versions=library_versions(), config=dataclasses.asdict(cfg))
+                        versions=library_versions(LIBRARIES), config=dataclasses.asdict(cfg))
     write_manifest(uri, manifest)
     return manifest
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import platform
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +31,8 @@ TRAINED_FILE = "trained.faiss"
 SHARDS_DIR = "shards"
 SHARD_INDEX_FILE = "index.faiss"
 SHARD_EMBEDDINGS_FILE = "embeddings.parquet"
+# the libraries that shape an index's meaning (manifest "versions", evaluation.json "versions")
+LIBRARIES = ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "numpy", "pyarrow", "puma-ray")
 
 
 class IndexIntegrityError(ValueError):
@@ -165,16 +166,3 @@ def shard_name(seq: int) -> str:
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries that shape an index's meaning."""
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "numpy", "pyarrow", "puma-ray"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            continue
-    return out
