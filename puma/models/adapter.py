@@ -22,6 +22,12 @@ from torch import nn
 from puma.config import AdapterConfig, ConfigError
 
 
+def sample_keep_mask(x: torch.Tensor, keep_prob: float) -> torch.Tensor:
+    """Per-sample Bernoulli(keep_prob) / keep_prob, shape (B, 1, ..., 1): gamma of Eq. 5, inverted dropout."""
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    return x.new_empty(shape).bernoulli_(keep_prob).div_(keep_prob)
+
+
 class StochasticAdapter(nn.Module):
     """x @ W_down -> ReLU -> @ W_up -> * scale; in training kept per sample with probability keep_prob.
 
@@ -44,13 +50,8 @@ class StochasticAdapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(x @ self.down) @ self.up * self.scale  # (B, N, D) -> (B, N, r) -> (B, N, D)
         if self.training and self.keep_prob < 1.0:
-            out = out * self.keep_mask(x)
+            out = out * sample_keep_mask(x, self.keep_prob)
         return out
-
-    def keep_mask(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-sample Bernoulli(keep_prob) / keep_prob, shape (B, 1, ..., 1)."""
-        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-        return x.new_empty(shape).bernoulli_(self.keep_prob).div_(self.keep_prob)
 
     def extra_repr(self) -> str:
         dim, rank = self.down.shape

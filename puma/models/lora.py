@@ -24,15 +24,9 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from puma.config import ConfigError, LoraConfig
-from puma.models.adapter import select_blocks
+from puma.models.adapter import sample_keep_mask, select_blocks
 
 QKV_CHUNKS = ("q", "k", "v")
-
-
-def sample_keep_mask(x: torch.Tensor, keep_prob: float) -> torch.Tensor:
-    """Per-sample Bernoulli(keep_prob) / keep_prob, shape (B, 1, ..., 1)."""
-    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-    return x.new_empty(shape).bernoulli_(keep_prob).div_(keep_prob)
 
 
 class LoraBranch(nn.Module):
