@@ -20,7 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
-from puma.config import Config, dump_yaml, from_dict
+from puma.config import Config, dump_yaml, from_dict, run_uri
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
@@ -177,4 +177,4 @@ def load_model(uri: str, backbone_weights: str | None = None,
 
 def best_checkpoint_uri(cfg: Config) -> str:
     """Where training keeps its best checkpoint: <train.storage_path>/<train.run_name>/best."""
-    return storage.join(cfg.train.storage_path, cfg.train.run_name, BEST_DIR)
+    return storage.join(run_uri(cfg), BEST_DIR)

@@ -637,6 +637,11 @@ def dump_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def run_uri(cfg: Config) -> str:
+    """A run's folder (checkpoints, best/, logs, data rejects): <train.storage_path>/<train.run_name>."""
+    return storage.join(cfg.train.storage_path, cfg.train.run_name)
+
+
 # Config keys that hold local-or-remote locations; relative local paths are made absolute at the
 # driver, because Ray workers run in other directories.
 PATH_KEYS = ("model.backbone.weights", "data.uri", "data.source_root", "data.fashion_mnist_dir",

@@ -38,6 +38,7 @@ import ray.data
 from ray.data import RandomSeedConfig
 
 from puma import storage
+from puma.config import run_uri
 from puma.data import schema
 from puma.data.images import ImageRejected, ViewSpec, item_rng, make_view
 from puma.data.manifest import Manifest
@@ -83,7 +84,7 @@ class RejectLog:
 
 def rejects_uri(cfg) -> str:
     """``data.rejects_uri``, or <train.storage_path>/<train.run_name>/data_rejects.jsonl."""
-    default = storage.join(cfg.train.storage_path, cfg.train.run_name, "data_rejects.jsonl")
+    default = storage.join(run_uri(cfg), "data_rejects.jsonl")
     return storage.absolute(cfg.data.rejects_uri or default)
 
 

@@ -12,7 +12,7 @@ from ray.train.torch import TorchTrainer
 
 from puma import storage
 from puma.checkpoint import BEST_DIR, META_FILE
-from puma.config import Config, ConfigError, absolute_paths, to_dict
+from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
 
 
@@ -24,11 +24,6 @@ class TrainOutcome:
     best_checkpoint: str
     last_checkpoint: str | None
     metrics: dict[str, Any]
-
-
-def run_uri(cfg: Config) -> str:
-    """Where this run's checkpoints and logs live: <train.storage_path>/<train.run_name>."""
-    return storage.join(cfg.train.storage_path, cfg.train.run_name)
 
 
 def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
