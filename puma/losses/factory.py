@@ -165,9 +165,9 @@ def _with_xbm(cfg: LossConfig, loss: nn.Module, miner: nn.Module | None, embed_d
     return CrossBatchMemoryLoss(loss, embed_dim, memory_size=cfg.xbm_memory_size, miner=miner)
 
 
-_BUILDERS: dict[str, Callable] = {
-    "curricularface": _curricularface, "arcface": _arcface, "cosface": _cosface,
-    "proxy_anchor": _proxy_anchor, "softtriple": _softtriple, "triplet": _triplet,
-    "margin": _margin, "multi_similarity": _multi_similarity,
-    "hyp": _hyp, "supcon": _supcon, "proxy_nca_pp": _proxy_nca_pp,
-}
+def _builder(name: str) -> Callable:
+    """The builder of loss ``name``: the function ``_<name>`` above (one per entry of LOSS_NAMES)."""
+    return globals()[f"_{name}"]
+
+
+_BUILDERS: dict[str, Callable] = {name: _builder(name) for name in LOSS_NAMES}  # the names: puma.config
