@@ -17,10 +17,9 @@ import torch
 
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, save_checkpoint
 from puma.config import Config, ModelConfig, from_dict, to_dict
-from puma.data.images import ViewSpec, make_view
+from puma.data.images import ViewSpec, backbone_normalisation, make_view
 from puma.models import build_model
 from puma.models.trainable import trainable_state_dict
-from puma.train.driver import backbone_normalisation
 
 TINY_BACKBONE = {
     "name": "vit_tiny_patch16_224",

@@ -9,6 +9,10 @@
   Both views crop and resize in one resampling step (``Image.resize(box=...)``).
 - normalise with the backbone's mean / std -> float32 (3, H, W).
 
+``view_spec`` / ``eval_view_spec`` are the one place a view is planned from a config (image size,
+the backbone's normalisation from timm's pretrained config, minimum image size); training-time
+evaluation, the embedding job and query images all decode with the same eval view.
+
 Large JPEGs are decoded at a reduced DCT scale (``Image.draft``) that still leaves at least the
 resolution the view needs.
 """
@@ -50,6 +54,34 @@ class ViewSpec:
     train: bool
     min_size: int = 16
     seed: int = 0
+
+
+Normalisation = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std), one value per channel
+
+
+def backbone_normalisation(cfg) -> Normalisation:
+    """Mean and std of ``cfg.model.backbone`` from its timm pretrained config (no weights are loaded)."""
+    import timm  # torch comes with it: only planning a view imports it, never a decode worker
+
+    pretrained = timm.models.get_pretrained_cfg(cfg.model.backbone.name)
+    if pretrained is None:
+        return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    return tuple(pretrained.mean), tuple(pretrained.std)
+
+
+def view_spec(cfg, train: bool, normalisation: Normalisation | None = None,
+              min_size: int | None = None) -> ViewSpec:
+    """The train or eval view of ``cfg``: model.backbone.img_size, the backbone's mean / std (unless
+    ``normalisation`` is given), data.min_image_size (unless ``min_size`` is), train.seed."""
+    mean, std = normalisation or backbone_normalisation(cfg)
+    return ViewSpec(img_size=cfg.model.backbone.img_size, mean=tuple(mean), std=tuple(std), train=train,
+                    min_size=cfg.data.min_image_size if min_size is None else min_size, seed=cfg.train.seed)
+
+
+def eval_view_spec(cfg, min_size: int | None = None) -> ViewSpec:
+    """The eval view of ``cfg``'s model: what training-time evaluation, batch embedding and query
+    images are decoded with, so one image embeds to one vector everywhere."""
+    return view_spec(cfg, train=False, min_size=min_size)
 
 
 def eval_resize_size(img_size: int) -> int:

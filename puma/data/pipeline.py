@@ -40,7 +40,7 @@ from ray.data import RandomSeedConfig
 from puma import storage
 from puma.config import run_uri
 from puma.data import schema
-from puma.data.images import ImageRejected, ViewSpec, item_rng, make_view
+from puma.data.images import ImageRejected, ViewSpec, item_rng, make_view, view_spec
 from puma.data.manifest import Manifest
 from puma.data.rejects import Reject, dumps, read_rejects, reject_counts
 from puma.data.splits import LabelMap, global_label_map, label_range
@@ -227,11 +227,6 @@ def _decode(cfg, manifest: Manifest, rows: ray.data.Dataset, view: ViewSpec,
                             num_cpus=cfg.data.num_decode_cpus)
 
 
-def _view(cfg, mean: Sequence[float], std: Sequence[float], train: bool) -> ViewSpec:
-    return ViewSpec(img_size=cfg.model.backbone.img_size, mean=tuple(mean), std=tuple(std), train=train,
-                    min_size=cfg.data.min_image_size, seed=cfg.train.seed)
-
-
 # ----------------------------------------------------------------------------- public datasets
 
 
@@ -245,7 +240,7 @@ def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[f
         rows = rows.random_shuffle(seed=seed)
     elif cfg.data.shuffle == "local":
         rows = rows.randomize_block_order(seed=seed)
-    return _decode(cfg, manifest, rows, _view(cfg, mean, std, train=True), label_map)
+    return _decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map)
 
 
 def _check_label_map(cfg, manifest: Manifest, label_map: LabelMap) -> None:
@@ -262,7 +257,7 @@ def _check_label_map(cfg, manifest: Manifest, label_map: LabelMap) -> None:
 def eval_dataset(cfg, manifest: Manifest, split: str, mean: Sequence[float],
                  std: Sequence[float]) -> ray.data.Dataset:
     """An evaluation stream of ``split`` (test | val | train): eval view, labels within each dataset."""
-    return _decode(cfg, manifest, read_rows(cfg, manifest, split), _view(cfg, mean, std, train=False), None)
+    return _decode(cfg, manifest, read_rows(cfg, manifest, split), view_spec(cfg, False, (mean, std)), None)
 
 
 def iter_options(cfg, epoch: int) -> dict:

@@ -44,7 +44,7 @@ import pyarrow as pa
 from puma import storage
 from puma.checkpoint import MODEL_FILE, CheckpointState, best_checkpoint_uri, read_checkpoint
 from puma.config import Config, absolute_paths, to_dict
-from puma.data.images import ViewSpec
+from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.rejects import read_rejects, reject_counts
 from puma.index import add_items, create_index, indexed_item_ids, plan_index, read_manifest
 from puma.index.build import check_compatible
@@ -167,13 +167,9 @@ class _Run:
 
 def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -> _Run:
     """The eval view and model id from the checkpoint (its own config), an empty report."""
-    from puma.train.driver import backbone_normalisation
-
     state = read_checkpoint(checkpoint)
     model_cfg = state.config
-    mean, std = backbone_normalisation(model_cfg)
-    view = ViewSpec(img_size=model_cfg.model.backbone.img_size, mean=mean, std=std, train=False,
-                    min_size=cfg.data.min_image_size)
+    view = eval_view_spec(model_cfg, min_size=cfg.data.min_image_size)  # the model's view, the job's limit
     report = EmbedReport(catalogue=catalogue, index_uri=index_uri, checkpoint=checkpoint,
                          model_id=checkpoint_id(checkpoint, state),
                          rejects_uri=rejects_uri(index_uri, catalogue))

@@ -1,8 +1,9 @@
 """Search by image: embed query image files in-process with a checkpoint's model and the eval view.
 
-The view is the one evaluation and batch embedding use (resize int(img_size * 256 / 224), center
-crop img_size, bicubic; the backbone's mean / std), so a query image embeds to the same vector as
-the same image stored in the index. Images are read through puma.storage (local or s3://).
+The view is the one evaluation and batch embedding use (``puma.data.images.eval_view_spec``:
+resize int(img_size * 256 / 224), center crop img_size, bicubic; the backbone's mean / std), so a
+query image embeds to the same vector as the same image stored in the index. Images are read
+through puma.storage (local or s3://).
 """
 
 from __future__ import annotations
@@ -14,20 +15,11 @@ import torch
 
 from puma import storage
 from puma.config import Config
-from puma.data.images import ImageRejected, ViewSpec, make_view
+from puma.data.images import ImageRejected, ViewSpec, eval_view_spec, make_view
 
 
 class QueryImageError(ValueError):
     """A query image that cannot be read or decoded; the message names the file."""
-
-
-def eval_view_spec(cfg: Config) -> ViewSpec:
-    """The eval view of ``cfg``'s backbone (the checkpoint's config)."""
-    from puma.train.driver import backbone_normalisation  # imports Ray; only needed here
-
-    mean, std = backbone_normalisation(cfg)
-    return ViewSpec(img_size=cfg.model.backbone.img_size, mean=tuple(mean), std=tuple(std), train=False,
-                    min_size=cfg.data.min_image_size)
 
 
 def load_query_image(uri: str, view: ViewSpec) -> np.ndarray:

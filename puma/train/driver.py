@@ -58,6 +58,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     classes selected, training-time evaluation is skipped (``info["eval_skipped"]`` says why).
     """
     from puma.data import pipeline
+    from puma.data.images import backbone_normalisation
     from puma.data.prepare import ensure_prepared
     from puma.data.splits import global_label_map, label_range, labeled_datasets
     from puma.train.methods import needs_train_eval
@@ -91,16 +92,6 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
                           f"in {manifest.uri} have none (prepared as an unlabeled catalogue); train them "
                           f"with a label-free method {sorted(METHOD_TRAINING)} or leave them out with "
                           f"data.datasets")
-
-
-def backbone_normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Mean and std from the backbone's timm pretrained config (no weights are loaded)."""
-    import timm
-
-    pretrained = timm.models.get_pretrained_cfg(cfg.model.backbone.name)
-    if pretrained is None:
-        return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
-    return tuple(pretrained.mean), tuple(pretrained.std)
 
 
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
