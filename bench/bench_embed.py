@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from puma.checkpoint import CheckpointState, probe_embeddings, save_checkpoint  # noqa: E402
 from puma.config import ModelConfig, from_dict, load_config  # noqa: E402
 from puma.data.images import ViewSpec, backbone_normalisation, make_view  # noqa: E402
-from puma.models import build_model  # noqa: E402
+from puma.methods import build_model  # noqa: E402
 from puma.models.trainable import trainable_state_dict  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -97,7 +97,7 @@ def _merge(base: dict, layer: dict) -> dict:
 
 def run_method(name: str, args: argparse.Namespace, budget_dir: str, need_zero_shot: bool) -> dict:
     """Train one method under the budget; returns its final metrics (plus before/ when evaluated)."""
-    from puma.models import METHODS as BUILT
+    from puma.methods import METHODS as BUILT
     from puma.train.driver import run_training
 
     cfg = method_config(name, args, budget_dir)

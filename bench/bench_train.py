@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from puma.config import load_config  # noqa: E402
 from puma.losses import build_loss  # noqa: E402
-from puma.models import build_model  # noqa: E402
+from puma.methods import TrainModule, build_model  # noqa: E402
 from puma.models.trainable import trainable_parameter_groups  # noqa: E402
 from puma.optim import build_optimizer  # noqa: E402
-from puma.train.step import TrainModule, train_step  # noqa: E402
+from puma.train.step import train_step  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 

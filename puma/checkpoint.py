@@ -162,7 +162,7 @@ def load_model(uri: str, backbone_weights: str | None = None,
     ``backbone_weights`` overrides where the frozen backbone comes from (e.g. a local copy); with
     ``verify`` the model must reproduce the probe embeddings saved with the checkpoint.
     """
-    from puma.models import build_model
+    from puma.methods import build_model  # the method registry (torch, timm, every method): on first use
 
     state = read_checkpoint(uri)
     if backbone_weights:

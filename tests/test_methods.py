@@ -16,21 +16,24 @@ from tiny import assert_eval_deterministic_train_stochastic, tiny_images, tiny_m
 from puma.config import Config, ConfigError, LossConfig, OptimConfig
 from puma.losses import LossInputError, build_loss
 from puma.losses.xbm import CrossBatchMemoryLoss
-from puma.models import (
+from puma.methods import (
     METHOD_TRAINABLE,
     METHODS,
+    TrainModule,
+    build_method_training,
+    build_model,
+    mark_trainable,
+)
+from puma.models import (
     LoraBranch,
     MlpEmbeddingHead,
     StochasticAdapter,
-    build_model,
     count_trainable,
-    mark_trainable,
     trainable_parameter_groups,
 )
 from puma.models.vpt import VptModel
 from puma.optim import build_optimizer
-from puma.train.methods import build_method_training
-from puma.train.step import TrainModule, train_step
+from puma.train.step import train_step
 
 D, E, DEPTH = 48, 16, 2  # tiny backbone width, embedding size, blocks
 

@@ -17,11 +17,11 @@ from timm.layers import resample_abs_pos_embed
 from tiny import TINY_BACKBONE, assert_eval_deterministic_train_stochastic, tiny_images, tiny_model_config
 
 from puma.config import BackboneConfig, ConfigError, ModelConfig, from_dict
+from puma.methods import build_model
 from puma.models import (
     BackboneWeightsError,
     PromptPool,
     StochasticAdapter,
-    build_model,
     count_trainable,
     create_backbone,
     trainable_parameter_groups,

@@ -20,7 +20,7 @@ from puma.index import ShardedIndex, build_index
 from puma.index.grid import BORDER, CELL_H, CELL_W, FRAMES, PLACEHOLDER, TILE
 from puma.index.run import run_search
 from puma.inference.query import QueryImageError, embed_images
-from puma.models import build_model
+from puma.methods import build_model
 from puma.models.trainable import trainable_state_dict
 
 FLOWERS = Path(__file__).resolve().parents[2] / "shared" / "data" / "flowers12-subset"

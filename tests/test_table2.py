@@ -11,7 +11,8 @@ from tiny import TINY_BACKBONE, tiny_images
 
 from puma.config import ModelConfig, from_dict, load_config
 from puma.losses import build_loss
-from puma.models import build_model, count_trainable
+from puma.methods import build_model
+from puma.models import count_trainable
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE2 = ROOT / "configs" / "table2"

@@ -8,10 +8,10 @@ from tiny import tiny_images, tiny_model_config, train_module_state
 
 from puma.config import LossConfig, OptimConfig
 from puma.losses import build_loss
-from puma.models import build_model
+from puma.methods import TrainModule, build_model
 from puma.models.trainable import trainable_parameter_groups
 from puma.optim import build_optimizer
-from puma.train.step import TrainModule, train_step
+from puma.train.step import train_step
 
 GLOBAL_BATCH, STEPS, NUM_CLASSES = 8, 3, 4
 

@@ -22,16 +22,16 @@ from puma.data import schema
 from puma.data.images import ViewSpec, make_view
 from puma.data.manifest import load_manifest
 from puma.data.prepare import prepare
+from puma.data.pseudo_labels import PseudoLabels, kmeans_pseudo_labels
 from puma.data.sources import SourceSpec
 from puma.data.splits import global_label_map, label_range, unlabeled_datasets
-from puma.models import build_model, trainable_parameter_groups
+from puma.methods import build_method_training, build_model, needs_labels
+from puma.methods.udml_ss import build_ms_loss
+from puma.models import trainable_parameter_groups
 from puma.models.rotation import NUM_ROTATIONS, draw_rotations, rotate_images
 from puma.models.udml_ss import UdmlSsModel
 from puma.optim import build_optimizer
-from puma.train.methods import build_method_training, needs_labels
-from puma.train.pseudo_labels import PseudoLabels, kmeans_pseudo_labels
 from puma.train.step import train_step
-from puma.train.udml_ss import build_ms_loss
 
 REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"

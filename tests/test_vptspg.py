@@ -15,13 +15,14 @@ from tiny import tiny_images, tiny_model_config, train_module_state
 
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, read_checkpoint, save_checkpoint
 from puma.config import Config, ConfigError, LossConfig, OptimConfig, VptspgConfig, load_config
+from puma.losses.memory_bank import ClassPromptBank
 from puma.losses.semantic_proxy import fuse_batch, proxy_anchor_loss
-from puma.models import build_model, count_trainable, trainable_parameter_groups, trainable_state_dict
+from puma.methods import build_model, build_train_module
+from puma.methods.vptsp_g import VptspgTrainModule
+from puma.models import count_trainable, trainable_parameter_groups, trainable_state_dict
 from puma.models.vptspg import SemanticProxyGRU, VptspgModel, ema_fuse
 from puma.optim import build_optimizer
-from puma.train.memory_bank import ClassPromptBank
-from puma.train.step import build_train_module, train_step
-from puma.train.vptspg import VptspgTrainModule
+from puma.train.step import train_step
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_CLASSES, E = 8, 16
@@ -417,7 +418,7 @@ def without_key_bias(key: str, value: torch.Tensor) -> torch.Tensor:
 
 def test_other_methods_keep_the_plain_train_module():
     from puma.losses.factory import MetricLoss
-    from puma.train.step import TrainModule
+    from puma.methods import TrainModule
 
     cfg = dataclasses.replace(Config(), model=tiny_model_config())
     module = build_train_module(cfg, build_model(cfg.model), NUM_CLASSES)

@@ -18,7 +18,7 @@ import torch
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, save_checkpoint
 from puma.config import Config, ModelConfig, from_dict, to_dict
 from puma.data.images import ViewSpec, backbone_normalisation, make_view
-from puma.models import build_model
+from puma.methods import build_model
 from puma.models.trainable import trainable_state_dict
 
 TINY_BACKBONE = {

@@ -13,6 +13,8 @@ Modules, in the order data flows:
   training label map.
 - ``images``: PIL decoding and the train / eval views (no Ray, no torch).
 - ``pipeline``: the Ray Data streams for training and evaluation (the only module importing Ray).
+- ``pseudo_labels``: k-means labels for methods that make their own (UDML-SS); FAISS and
+  torch.distributed, imported only by those methods.
 
 Importing ``puma.data`` imports none of them.
 """

@@ -1,5 +1,9 @@
 """PumaModel: frozen timm ViT + stochastic adapters + conditional prompt pool + embedding head.
 
+Every method's model is a PumaModel (or a subclass); which pieces it holds is decided by the
+method's record (puma/methods/<name>.py). The forward pass is paper Eq. 2 / 10 with Eq. 3 / 5 in
+the blocks; the prompt pool is Eq. 6-9 (puma/models/prompt_pool.py).
+
 Token sequence entering the blocks (prompts inserted right after CLS, before register tokens):
 
     [CLS, P_1 .. P_Np, (reg tokens), patches]
@@ -11,7 +15,6 @@ the patch embeddings, taken before the CLS token and position embedding, and det
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -19,9 +22,8 @@ from timm.data import resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from puma.config import ConfigError, ModelConfig
-from puma.models.adapter import inject_adapters
-from puma.models.backbone import create_backbone, set_norms_eval
+from puma.config import ConfigError
+from puma.models.backbone import set_norms_eval
 from puma.models.head import EmbeddingHead
 from puma.models.prompt_pool import PromptPool
 
@@ -29,7 +31,7 @@ from puma.models.prompt_pool import PromptPool
 class PumaModel(nn.Module):
     """images (B, 3, H, W) -> L2-normalised embeddings (B, embed_dim)."""
 
-    method: str = "puma"  # the model.method it was built for; trainable.py reads it
+    method: str = "puma"  # the model.method it was built for (puma.methods.build_model sets it)
 
     def __init__(self, backbone: VisionTransformer, head: EmbeddingHead,
                  prompt_pool: Optional[PromptPool] = None, ortho_weight: float = 0.0) -> None:
@@ -97,33 +99,3 @@ def patch_query(patches: torch.Tensor) -> torch.Tensor:
     """Prompt-pool query (B, D) = (mean + max over patch tokens) / 2, detached."""
     tokens = patches.flatten(1, -2)  # (B, N, D)
     return ((tokens.mean(dim=1) + tokens.amax(dim=1)) / 2).detach()
-
-
-# ----------------------------------------------------------------------------- builders
-
-
-def _build_puma(cfg: ModelConfig) -> PumaModel:
-    """PUMA: adapters and prompt pool as enabled in the config, 128-d head."""
-    backbone = create_backbone(cfg.backbone)
-    if cfg.adapter.enabled:
-        inject_adapters(backbone, cfg.adapter)
-    pool = None
-    if cfg.prompt_pool.enabled:
-        pool = PromptPool(backbone.embed_dim, cfg.prompt_pool.pool_size, cfg.prompt_pool.length)
-    head = EmbeddingHead(backbone.embed_dim, cfg.head.embed_dim)
-    return PumaModel(backbone, head, pool, ortho_weight=cfg.prompt_pool.ortho_weight)
-
-
-METHODS: dict[str, Callable[[ModelConfig], PumaModel]] = {"puma": _build_puma}
-
-
-def build_model(cfg: ModelConfig) -> PumaModel:
-    """The model for ``cfg.method``, with trainability set by :func:`mark_trainable`."""
-    from puma.models.trainable import mark_trainable
-
-    if cfg.method not in METHODS:
-        raise ConfigError(f"model.method={cfg.method!r} is not known; valid: {sorted(METHODS)}")
-    model = METHODS[cfg.method](cfg)
-    model.method = cfg.method
-    mark_trainable(model)
-    return model

@@ -1,6 +1,9 @@
-"""The one place that decides what trains: each method declares its trainable parts here.
+"""What can train: the named parts of a model, and the one function that makes exactly them trainable.
 
-Parts and the optimiser group each lands in (puma.optim.build_optimizer):
+Each method declares the parts it trains in its record (``Method.trainable`` in
+puma/methods/<name>.py); ``puma.methods.mark_trainable`` hands them to :func:`set_trainable`, and
+nothing else changes ``requires_grad``. Parts and the optimiser group each lands in
+(puma.optim.build_optimizer):
 
     part              what                                              group
     adapters          stochastic / static adapters (StochasticAdapter)  modules
@@ -11,7 +14,7 @@ Parts and the optimiser group each lands in (puma.optim.build_optimizer):
     gru               VPTSP-G's proxy fusion GRU (SemanticProxyGRU)     modules
     class_prompts     VPTSP-G's class-based prompts: no model           (own row-wise AdamW,
                       parameter; held by the ClassPromptBank            lr of "modules")
-                      (puma/train/memory_bank.py) outside the model
+                      (puma/losses/memory_bank.py) outside the model
                       and DDP, only the batch's classes on the device
     head              the embedding head (linear or MLP)                head
     rotation_head     UDML-SS's 4-way rotation-prediction head          head
@@ -23,9 +26,6 @@ parameter in the backbone and the embedding layer is fully updated"; in the rele
 norm freeze is undone for every parameter in the optimiser when the backbone is not frozen);
 LayerNorm has no running statistics, so PumaModel keeping norms in eval mode changes nothing.
 BitFit's biases include the LayerNorm biases (Ben Zaken et al. 2022 tune every bias term).
-
-A method may add parts from its model's options (METHOD_OPTIONS): VPTSP-G with
-``model.vptsp_g.bitfit`` also trains ``backbone_biases`` (the paper's "(B)" rows).
 """
 
 from __future__ import annotations
@@ -52,26 +52,6 @@ PEFT_PARTS: dict[str, type[nn.Module]] = {
     "gru": SemanticProxyGRU,
 }
 PEFT_MODULE_TYPES: tuple[type[nn.Module], ...] = tuple(PEFT_PARTS.values())
-
-METHOD_TRAINABLE: dict[str, tuple[str, ...]] = {
-    "puma": ("adapters", "prompt_pool", "head"),
-    "linear": ("head",),
-    "mlp3": ("head",),
-    "vpt_shallow": ("vpt_prompts", "head"),
-    "vpt_deep": ("vpt_prompts", "head"),
-    "lora": ("lora", "head"),
-    "puma_lora": ("adapters", "prompt_pool", "lora", "head"),
-    "adaptformer": ("adapters", "head"),
-    "bitfit": ("backbone_biases", "head"),
-    "full_finetune": ("backbone", "head"),
-    "vptsp_g": ("vpt_prompts", "class_prompts", "proxy_head", "gru", "head"),
-    "udml_ss": ("adapters", "prompt_pool", "head", "rotation_head"),  # adapters / pool as enabled
-}
-
-# Parts a method adds from its model's options (read from the built model).
-METHOD_OPTIONS: dict[str, Callable[[nn.Module], tuple[str, ...]]] = {
-    "vptsp_g": lambda m: ("backbone_biases",) if getattr(m, "bitfit", False) else (),
-}
 
 
 def peft_modules(model: nn.Module,
@@ -107,25 +87,15 @@ PART_PARAMETERS: dict[str, Callable[[PumaModel], Iterable[nn.Parameter]]] = {
     "backbone": _backbone_weights,
     "class_prompts": lambda m: (),  # held by the ClassPromptBank, not by the model (see above)
 }
+PARTS: tuple[str, ...] = tuple(PART_PARAMETERS)
 
 
-def method_parts(method: str) -> tuple[str, ...]:
-    """The parts ``method`` trains; raises for a method that has not declared them."""
-    if method not in METHOD_TRAINABLE:
-        raise ConfigError(f"model.method={method!r} declares no trainable set in puma.models.trainable."
-                          f"METHOD_TRAINABLE; declared: {sorted(METHOD_TRAINABLE)}")
-    return METHOD_TRAINABLE[method]
-
-
-def model_parts(model: PumaModel) -> tuple[str, ...]:
-    """The parts ``model`` trains: its method's declared parts plus those its options add."""
-    options = METHOD_OPTIONS.get(model.method)
-    return method_parts(model.method) + (options(model) if options else ())
-
-
-def mark_trainable(model: PumaModel) -> None:
-    """Freeze everything, then unfreeze exactly the parts ``model.method`` (and its options) declare."""
-    parts = model_parts(model)
+def set_trainable(model: PumaModel, parts: tuple[str, ...]) -> None:
+    """Freeze everything, then unfreeze exactly ``parts`` (names from PARTS) of ``model``."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ConfigError(f"model.method={model.method!r} declares unknown part(s) {unknown}; "
+                          f"valid: {list(PARTS)}")
     _check_no_undeclared_modules(model, parts)
     model.requires_grad_(False)
     for part in parts:

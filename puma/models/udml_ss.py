@@ -5,7 +5,7 @@ f_theta1 is PUMA's (stochastic adapters and prompt pool, as ``model.adapter.enab
 ``model.prompt_pool.enabled`` say), shared by both tasks, so the rotation loss shapes the features
 the embedding head g_theta2 sees. On top of the final-norm CLS token sit two heads, as in the paper:
 the embedding head (Linear -> L2) and the rotation head h_theta3 (Linear(D -> 4)). What trains is
-declared in puma.models.trainable; the pseudo-labels and the loss live in puma.train.udml_ss.
+declared in the method's record, puma/methods/udml_ss.py, with the loss and the pseudo-labels.
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from typing import Optional
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from puma.config import ModelConfig
 from puma.models.head import EmbeddingHead
 from puma.models.prompt_pool import PromptPool
-from puma.models.puma_model import METHODS, PumaModel, _build_puma
+from puma.models.puma_model import PumaModel
 from puma.models.rotation import RotationHead
-
-METHOD = "udml_ss"
 
 
 class UdmlSsModel(PumaModel):
@@ -43,14 +40,3 @@ class UdmlSsModel(PumaModel):
     def rotation_logits(self, images: torch.Tensor) -> torch.Tensor:
         """Rotation logits (B, 4) of (already rotated) images."""
         return self.rotation_head(self.forward_features(images))
-
-
-def _build_udml_ss(cfg: ModelConfig) -> UdmlSsModel:
-    """PUMA's backbone adaptation and embedding head, plus the rotation head."""
-    puma = _build_puma(cfg)
-    return UdmlSsModel(puma.backbone, puma.head, puma.prompt_pool, ortho_weight=puma.ortho_weight)
-
-
-def register_udml_ss() -> None:
-    """Add udml_ss to the METHODS registry (idempotent; done when puma.models is imported)."""
-    METHODS[METHOD] = _build_udml_ss

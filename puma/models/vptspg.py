@@ -14,8 +14,9 @@ semantic proxy"). Embedding and evaluation use the image path only: ``forward(im
 Semantic proxies are fused into the proxy memory P^c by :class:`SemanticProxyGRU` (Eq. 4-7, ReLU
 candidate "since we want to retain the updating of the vector scale") or by EMA (Eq. 3); the memory,
 the proxy bias O (Eq. 8) and the Proxy-Anchor loss live in puma/losses/semantic_proxy.py, and the
-class prompts themselves in the class-prompt bank (puma/train/memory_bank.py), outside the model
-and outside DDP, because only the batch's classes are on the device at a time.
+class prompts themselves in the class-prompt bank (puma/losses/memory_bank.py), outside the model
+and outside DDP, because only the batch's classes are on the device at a time. How they are put
+together, what trains and the training step: the method's record, puma/methods/vptsp_g.py.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from puma.config import ConfigError, ModelConfig
-from puma.models.backbone import create_backbone
+from puma.config import ConfigError
 from puma.models.head import EmbeddingHead
 from puma.models.puma_model import PumaModel
-from puma.models.vpt import VisualPrompts, build_visual_prompts
+from puma.models.vpt import VisualPrompts
 
 
 class ProxyHead(EmbeddingHead):
@@ -88,7 +88,7 @@ class VptspgModel(PumaModel):
         self.fusion = fusion  # None: EMA fusion (VPTSP-M)
         self.class_prompt_shape = (class_prompt_layers, class_prompt_length, backbone.embed_dim)
         self.ema_lambda = ema_lambda
-        self.bitfit = bitfit  # puma.models.trainable adds the backbone biases when set
+        self.bitfit = bitfit  # the record's option_parts add the backbone biases when set
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Image path: final-norm CLS token (B, D) with the visual prompts only."""
@@ -145,20 +145,3 @@ def init_class_prompts(num_classes: int, shape: tuple[int, int, int], bound: flo
     """The class-prompt table (C, CLS-L, m, D), U(-bound, bound) from its own seeded generator (CPU)."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.rand(num_classes, *shape, generator=gen) * 2 - 1) * bound
-
-
-def build_vptspg(cfg: ModelConfig) -> VptspgModel:
-    """VPTSP-G (fusion gru) or VPTSP-M (fusion ema) from ``cfg.vptsp_g``; the builder in METHODS."""
-    vc = cfg.vptsp_g
-    backbone = create_backbone(cfg.backbone)
-    depth = len(backbone.blocks)
-    if vc.prompt_layers is not None and vc.prompt_layers > depth:
-        raise ConfigError(f"model.vptsp_g.prompt_layers={vc.prompt_layers} exceeds the backbone depth "
-                          f"{depth}")
-    prompts = build_visual_prompts(backbone, vc.prompt_length, deep=True)
-    if vc.prompt_layers is not None:
-        prompts.prompts = nn.Parameter(prompts.prompts.data[:vc.prompt_layers].clone())  # (L, N, D)
-    dim, embed_dim = backbone.embed_dim, cfg.head.embed_dim
-    fusion = SemanticProxyGRU(embed_dim, vc.gru_activation) if vc.fusion == "gru" else None
-    return VptspgModel(backbone, EmbeddingHead(dim, embed_dim), prompts, ProxyHead(dim, embed_dim), fusion,
-                       vc.class_prompt_layers, vc.class_prompt_length, vc.ema_lambda, vc.bitfit)

@@ -13,6 +13,7 @@ from ray.train.torch import TorchTrainer
 from puma import storage
 from puma.checkpoint import BEST_DIR, META_FILE
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
+from puma.methods import METHODS, check_config, get_method
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
 
 
@@ -61,7 +62,6 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     from puma.data.images import backbone_normalisation
     from puma.data.prepare import ensure_prepared
     from puma.data.splits import global_label_map, label_range, labeled_datasets
-    from puma.train.methods import needs_train_eval
 
     manifest = ensure_prepared(cfg)
     check_labels_for_method(cfg, manifest)
@@ -76,7 +76,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     else:
         info["eval_skipped"] = (f"no labeled {cfg.train.eval_split} classes in {manifest.uri} (datasets "
                                 f"{manifest.select(cfg.data.datasets)}): evaluation needs labels")
-    if needs_train_eval(cfg.model.method):
+    if get_method(cfg.model.method).needs_train_eval:
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
 
@@ -84,14 +84,13 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
 def check_labels_for_method(cfg: Config, manifest) -> None:
     """A supervised method refuses unlabeled datasets, naming them and what to do instead."""
     from puma.data.splits import unlabeled_datasets
-    from puma.train.methods import METHOD_TRAINING, needs_labels
 
     unlabeled = unlabeled_datasets(manifest, cfg.data.datasets)
-    if unlabeled and needs_labels(cfg.model.method):
+    if unlabeled and get_method(cfg.model.method).needs_labels:
+        label_free = sorted(name for name, m in METHODS.items() if not m.needs_labels)
         raise ConfigError(f"model.method={cfg.model.method!r} trains on labels, but dataset(s) {unlabeled} "
                           f"in {manifest.uri} have none (prepared as an unlabeled catalogue); train them "
-                          f"with a label-free method {sorted(METHOD_TRAINING)} or leave them out with "
-                          f"data.datasets")
+                          f"with a label-free method {label_free} or leave them out with data.datasets")
 
 
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
@@ -100,6 +99,7 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial.
     """
     cfg = absolute_paths(cfg)
+    check_config(cfg)  # a config the method cannot train with fails here, before any worker starts
     storage.configure(cfg.storage)
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
     datasets, info = build_datasets(cfg)

@@ -26,11 +26,10 @@ from puma.checkpoint import (
 from puma.config import Config, from_dict, to_dict
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
-from puma.models import build_model
+from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler
-from puma.train.methods import build_method_training
-from puma.train.step import TrainModule, train_step
+from puma.train.step import train_step
 
 TRAIN_EVAL = "train_eval"  # the training images in the eval view, for methods that cluster them
 _writers: dict[str, Any] = {}
@@ -55,7 +54,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     device = ray.train.torch.get_device()
     model = build_model(cfg.model)
-    method = build_method_training(cfg, model, loop_config["num_classes"])  # puma.train.methods
+    method = build_method_training(cfg, model, loop_config["num_classes"])  # the method's record
     module, loss = method.module, method.module.loss
     optimizer = build_optimizer(trainable_parameter_groups(model), loss, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)

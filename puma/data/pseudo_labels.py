@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from puma.train.step import is_distributed
+from puma.distributed import broadcast_object, is_distributed
 
 
 def kmeans_pseudo_labels(embeddings: np.ndarray, k: int, seed: int, niter: int = 20,
@@ -75,15 +75,6 @@ class PseudoLabels:
         except KeyError as exc:
             raise ValueError(f"training item {exc.args[0]!r} has no pseudo-label: it was not in the "
                              f"clustered training stream ({len(self.labels)} items)") from exc
-
-
-def broadcast_object(obj):
-    """``obj`` from rank 0 on every rank (itself when not distributed)."""
-    if not is_distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 @torch.no_grad()

@@ -1,13 +1,21 @@
-"""UDML-SS training (paper Eq. 7): MS loss on pseudo-labels + eta x rotation cross-entropy; no Ray.
+"""UDML-SS (Cao, Chen and Lim): unsupervised metric learning on k-means pseudo-labels plus rotations.
+
+Paper Eq. 7, the objective of a step:
 
     L = L_MS(g(f(x)), y) + eta * L_rot(h(f(rot_k(x))), k)
 
 x are the un-rotated (augmented) training images and y their k-means pseudo-labels
-(puma.train.pseudo_labels); the MS loss and its miner see only the un-rotated embeddings of the
-global batch. Every image is also turned by k x 90 degrees, k drawn per sample from a generator
-seeded by train.seed (the same stream on every rank), and the rotation head predicts k. The
-paper turns 16 images of each batch all four ways (Eq. 6 sums the four); here each image gets
-one draw, so L_rot is the mean cross-entropy over the batch.
+(puma.data.pseudo_labels, section 3.2), re-clustered at the start of every ``recluster_every``-th
+epoch: the first time on the backbone features (the paper's start), then on the embeddings. The MS
+loss and its miner (Eq. 3-5) see only the un-rotated embeddings of the global batch. Every image is
+also turned by k x 90 degrees, k drawn per sample from a generator seeded by train.seed (the same
+stream on every rank), and the rotation head predicts k (Eq. 6). The paper turns 16 images of each
+batch all four ways (Eq. 6 sums the four); here each image gets one draw, so L_rot is the mean
+cross-entropy over the batch.
+
+What adapts the backbone f is PUMA's (adapters and prompt pool as ``model.adapter.enabled`` /
+``model.prompt_pool.enabled`` say), shared by both tasks; the model is puma.models.udml_ss. It needs
+no labels, so it trains on catalogues prepared without them; ``loss.*`` is not read (``model.udml_ss``).
 """
 
 from __future__ import annotations
@@ -19,12 +27,20 @@ import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import losses, miners
 
-from puma.config import Config, UdmlSsConfig
+from puma.config import Config, ModelConfig, UdmlSsConfig
+from puma.data.pseudo_labels import PseudoLabels, embed_items
+from puma.distributed import gather_labels, gather_with_grad
 from puma.losses.factory import MetricLoss
+from puma.methods import puma
+from puma.methods.method import Method, Training, TrainModule
 from puma.models.rotation import draw_rotations, rotate_images
 from puma.models.udml_ss import UdmlSsModel
-from puma.train.pseudo_labels import PseudoLabels, embed_items
-from puma.train.step import TrainModule, gather_labels, gather_with_grad
+
+
+def build(cfg: ModelConfig) -> UdmlSsModel:
+    """PUMA's backbone adaptation and embedding head, plus the rotation head."""
+    model = puma.build(cfg)
+    return UdmlSsModel(model.backbone, model.head, model.prompt_pool, ortho_weight=model.ortho_weight)
 
 
 def build_ms_loss(cfg: UdmlSsConfig, embed_dim: int) -> MetricLoss:
@@ -50,25 +66,25 @@ class UdmlSsTrainModule(TrainModule):
         emb_all = gather_with_grad(emb.float())  # (B_global, E), un-rotated only
         metric_loss = self.loss(emb_all, gather_labels(labels))
         rotation_loss = F.cross_entropy(logits.float(), turns)  # (B, 4) vs (B,)
-        aux = self.model.aux_loss()
-        return {"loss": metric_loss + self.eta * rotation_loss + aux, "metric_loss": metric_loss.detach(),
-                "rotation_loss": rotation_loss.detach(), "aux_loss": aux.detach()}
+        return self.objective(metric_loss, rotation_loss=(self.eta, rotation_loss))
 
 
-class UdmlSsTraining:
-    """What the worker loop asks of UDML-SS: the module, pseudo-labels per batch, re-clustering.
+def train_module(cfg: Config, model: UdmlSsModel, num_classes: int = 0) -> UdmlSsTrainModule:
+    """The MS loss and the rotation task; ``num_classes`` is not used (the pseudo-classes are k clusters)."""
+    u = cfg.model.udml_ss
+    return UdmlSsTrainModule(model, build_ms_loss(u, cfg.model.head.embed_dim), u.eta, cfg.train.seed)
 
-    ``num_classes`` (the data's labelled classes) is not used: the pseudo-classes are k clusters.
-    """
+
+class UdmlSsTraining(Training):
+    """Pseudo-labels per batch (by item_id), re-clustered at the start of an epoch when due."""
 
     needs_labels = False  # trains on catalogues without labels
     needs_train_eval = True  # clusters the training images in the eval view
 
-    def __init__(self, cfg: Config, model: UdmlSsModel, num_classes: int = 0) -> None:
+    def __init__(self, cfg: Config, module: TrainModule) -> None:
+        super().__init__(cfg, module)
         u = cfg.model.udml_ss
         self.cfg = u
-        loss = build_ms_loss(u, cfg.model.head.embed_dim)
-        self.module = UdmlSsTrainModule(model, loss, u.eta, cfg.train.seed)
         self.pseudo_labels = PseudoLabels(u.num_clusters, u.recluster_every, cfg.train.seed, u.kmeans_niter,
                                           u.kmeans_gpu)
 
@@ -92,3 +108,7 @@ class UdmlSsTraining:
     def batch_labels(self, batch: dict) -> np.ndarray:
         """The pseudo-labels of a training batch, by item_id."""
         return self.pseudo_labels.lookup(batch["item_id"])
+
+
+UDML_SS = Method(name="udml_ss", build=build, trainable=("adapters", "prompt_pool", "head", "rotation_head"),
+                 train_module=train_module, training=UdmlSsTraining)

@@ -23,14 +23,16 @@ of the *global* batch's classes (the same K on every rank, from the all-gathered
 rank's local samples do not use get a zero gradient there. ``step`` all-reduces the (K, ...)
 gradient and divides by the world size, the average DDP applies to model parameters, so every
 replica applies the identical update and the replicas stay equal.
+
+The bank is held by VPTSP-G's loss (puma.losses.semantic_proxy.SemanticProxyLoss), which saves and
+loads its state; the train module (puma/methods/vptsp_g.py) steps it after each backward.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from puma.train.step import is_distributed
+from puma.distributed import average_over_ranks
 
 STATE_KEYS = ("table", "exp_avg", "exp_avg_sq", "steps")
 
@@ -74,7 +76,7 @@ class ClassPromptBank:
         self.gathered = None
         if leaf is None or leaf.grad is None:
             return False
-        grad = _average_over_ranks(leaf.grad) / grad_scale
+        grad = average_over_ranks(leaf.grad) / grad_scale
         if not bool(torch.isfinite(grad).all()):  # an fp16 overflow step: skipped, as GradScaler does
             return False
         if clip_value is not None:
@@ -123,12 +125,3 @@ def adamw_rows(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     param.sub_(step_size * exp_avg / denom)
-
-
-def _average_over_ranks(grad: torch.Tensor) -> torch.Tensor:
-    """The gradient averaged over ranks (each rank holds the same rows); unchanged on one process."""
-    if not is_distributed():
-        return grad
-    grad = grad.clone()
-    dist.all_reduce(grad)
-    return grad / dist.get_world_size()
