@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from puma.config import Config, ConfigError, dump_yaml, load_config, valid_keys
+from puma.config import Config, ConfigError, dump_yaml, valid_keys
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
@@ -26,7 +26,9 @@ def job_parser(description: str) -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    """Defaults -> --config (or the demo config) -> overrides."""
+    """Defaults -> --config (or the demo config) -> overrides, then the method's own config checks."""
+    from puma.methods import load_config  # torch and every method: not for --help / --help-config
+
     path = args.config or str(DEMO_CONFIG)
     return load_config(path, args.overrides)
 

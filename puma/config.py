@@ -482,11 +482,6 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
 
-    def __post_init__(self) -> None:
-        _check(self.model.method != "vptsp_g" or self.loss.name == "proxy_anchor",
-               f"model.method=vptsp_g trains with Proxy-Anchor against its semantic proxies; set "
-               f"loss.name=proxy_anchor (got {self.loss.name!r})")
-
 
 # ----------------------------------------------------------------------------- machinery
 

@@ -420,3 +420,23 @@ def test_new_losses_train_a_model_through_train_step(loss_cfg):
         out = train_step(module, optimizer, tiny_images(16, seed=step), torch.arange(4).repeat(4), 1.0)
         assert math.isfinite(out["loss"])
     assert not torch.equal(model.head.proj.weight, head_before)
+
+
+def test_a_config_the_method_cannot_train_fails_at_the_driver_before_any_worker(monkeypatch):
+    """The record's config check (VPTSP-G: Proxy-Anchor only) and an unknown method: one line, no Ray."""
+    from puma.methods import load_config
+    from puma.train import driver
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("reached the data and the workers")
+
+    monkeypatch.setattr(driver, "build_datasets", no_data)
+    vptsp_g = dataclasses.replace(Config(), model=method_config("vptsp_g"))  # loss: curricularface
+    with pytest.raises(ConfigError, match=r"^model.method=vptsp_g trains with Proxy-Anchor .* set loss.name="
+                                          r"proxy_anchor \(got 'curricularface'\)$"):
+        driver.run_training(vptsp_g)
+    with pytest.raises(ConfigError, match=r"model.method='prefix_tuning' is not known; valid: \["):
+        driver.run_training(dataclasses.replace(Config(), model=method_config("prefix_tuning")))
+    with pytest.raises(ConfigError, match="set loss.name=proxy_anchor"):  # and on a job's command line
+        load_config(None, ["model.method=vptsp_g"])
+    assert load_config(None, ["model.method=vptsp_g", "loss.name=proxy_anchor"]).model.method == "vptsp_g"

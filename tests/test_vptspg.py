@@ -14,10 +14,10 @@ from test_train_job import tiny_data  # noqa: F401 (fixture)
 from tiny import tiny_images, tiny_model_config, train_module_state
 
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, read_checkpoint, save_checkpoint
-from puma.config import Config, ConfigError, LossConfig, OptimConfig, VptspgConfig, load_config
+from puma.config import Config, ConfigError, LossConfig, OptimConfig, VptspgConfig
 from puma.losses.memory_bank import ClassPromptBank
 from puma.losses.semantic_proxy import fuse_batch, proxy_anchor_loss
-from puma.methods import build_model, build_train_module
+from puma.methods import build_model, build_train_module, load_config  # load_config: with the method's checks
 from puma.methods.vptsp_g import VptspgTrainModule
 from puma.models import count_trainable, trainable_parameter_groups, trainable_state_dict
 from puma.models.vptspg import SemanticProxyGRU, VptspgModel, ema_fuse

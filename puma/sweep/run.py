@@ -59,7 +59,10 @@ class SweepPlan:
 
 def plan_sweep(cfg: Config) -> SweepPlan:
     """Read the space and validate it, the schedule and the metric against ``cfg``; no Ray here."""
+    from puma.methods import check_config  # torch and every method: only once a sweep is planned
+
     resolved = absolute_paths(cfg)
+    check_config(resolved)
     storage.configure(resolved.storage)
     space = read_space(resolved.sweep.space_file or str(DEFAULT_SPACE))
     check_against_config(space, resolved)
