@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from puma import storage
     from puma.checkpoint import best_checkpoint_uri
     from puma.index import verify
-    from puma.index.run import run_search
+    from puma.inference.search import run_search
 
     storage.configure(cfg.storage)
     try:

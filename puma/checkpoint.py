@@ -11,6 +11,7 @@ Layout::
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
-from puma.config import Config, dump_yaml, from_dict, run_uri
+from puma.config import Config, dump_yaml, from_dict, run_uri, to_dict
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
@@ -173,6 +174,19 @@ def load_model(uri: str, backbone_weights: str | None = None,
     if verify:
         verify_probe(model, state.meta, state.config.model.backbone.img_size, uri)
     return model, state.config
+
+
+def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
+    """The model id an index records: ``sha256:`` of the trainable weights (model.safetensors), the
+    model config (the backbone weights' location left out) and the probe embeddings (which
+    fingerprint the frozen backbone); a copy of a checkpoint keeps its id."""
+    state = state or read_checkpoint(uri)
+    model_cfg = to_dict(state.config.model)
+    model_cfg["backbone"].pop("weights", None)
+    digest = hashlib.sha256(storage.read_bytes(storage.join(uri, MODEL_FILE)))
+    digest.update(json.dumps(model_cfg, sort_keys=True).encode())
+    digest.update(json.dumps(state.meta.get("probe"), sort_keys=True).encode())
+    return "sha256:" + digest.hexdigest()
 
 
 def best_checkpoint_uri(cfg: Config) -> str:

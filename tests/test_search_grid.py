@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,9 +19,9 @@ from tiny import tiny_config
 from puma.checkpoint import CheckpointState, load_model, probe_embeddings, save_checkpoint
 from puma.config import IndexConfig
 from puma.index import ShardedIndex, build_index
-from puma.index.grid import BORDER, CELL_H, CELL_W, FRAMES, PLACEHOLDER, TILE
-from puma.index.run import run_search
+from puma.inference.grid import BORDER, CELL_H, CELL_W, FRAMES, PLACEHOLDER, TILE
 from puma.inference.query import QueryImageError, embed_images
+from puma.inference.search import run_search
 from puma.methods import build_model
 from puma.models.trainable import trainable_state_dict
 
@@ -112,6 +114,34 @@ def test_bad_query_images_and_wrong_checkpoint_are_refused(catalogue: dict, caps
             "index.use_gpu=false"]
     assert search_job.main(argv) == 2
     assert "embeds to 16 dims" in capsys.readouterr().err
+
+
+def test_image_queries_warn_only_when_the_checkpoint_is_not_the_indexs_model(catalogue: dict, tmp_path,
+                                                                             caplog) -> None:
+    """An index records its model id as the embed job computes it (puma.checkpoint.checkpoint_id, a
+    sha256): the index's own checkpoint, or a copy of it, searches without a warning; another model's
+    checkpoint gets one warning naming both models (a warning, not a refusal: the vectors have the
+    same size, the scores are just not comparable)."""
+    from tiny import make_checkpoint
+
+    from puma.checkpoint import checkpoint_id
+
+    x, ckpt = catalogue["x"], catalogue["ckpt"]
+    uri = str(tmp_path / "index")
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), x.shape[1])
+    build_index(uri, pa.table({"item_id": [f"f{i}" for i in range(len(x))], "embedding": vectors}),
+                IndexConfig(index_type="flat", use_gpu=False), model_id=checkpoint_id(ckpt))
+    cfg, query = IndexConfig(uri=uri, use_gpu=False), [str(catalogue["items"][0][2])]
+    copy = str(shutil.copytree(ckpt, tmp_path / "copy"))
+    other = make_checkpoint(str(tmp_path / "other"), seed=1)
+    caplog.set_level(logging.WARNING, logger="puma.inference.search")
+    for checkpoint in (ckpt, copy):
+        out = run_search(cfg, 2, image_uris=query, checkpoint=checkpoint, out_uri=str(tmp_path / "r.parquet"))
+        assert out.results["item_id"][0].as_py() == "f0"  # itself first: the same model
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    run_search(cfg, 2, image_uris=query, checkpoint=other, out_uri=str(tmp_path / "r.parquet"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and checkpoint_id(ckpt) in warnings[0] and checkpoint_id(other) in warnings[0]
 
 
 def frame_colour(grid: Image.Image, row: int, col: int) -> tuple[int, int, int]:

@@ -3,6 +3,9 @@
 ``embed_catalogue(cfg, catalogue)`` embeds one catalogue (a prepared dataset or images under a
 prefix) with a checkpoint, in a Ray Data actor pool, and adds the new items to the index;
 ``watch(cfg, prefix)`` does it for every catalogue under a prefix. See ``puma.inference.job``.
+``run_search`` (``puma.inference.search``, what jobs/search.py runs) searches the index by stored
+vectors, item ids or query images embedded in-process (``puma.inference.query``) and draws
+retrieval grids (``puma.inference.grid``).
 
 The names below are imported on first use (PEP 562), so a Ray Data decode worker that unpickles
 ``puma.inference.embedder.read_and_decode`` imports that module only, not the job (torch).
@@ -17,6 +20,7 @@ _EXPORTS = {
     "Embedder": "embedder",
     "EmbedReport": "job", "checkpoint_id": "job", "embed_catalogue": "job", "rejects_uri": "job",
     "resolve_checkpoint": "job", "watch": "job",
+    "SearchOutcome": "search", "run_search": "search",
 }
 __all__ = sorted(_EXPORTS)
 

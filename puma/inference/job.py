@@ -17,10 +17,10 @@ An IVF index is trained once, before anything is added, on the embeddings of a s
 sample of plan.train_sample of the catalogue's items; those items are then committed first, so
 nothing is embedded twice. Every later catalogue joins the same trained index.
 
-Model id: ``sha256:<hex>`` of the checkpoint's trainable weights (model.safetensors), its model
-config (the backbone weights' location left out) and its probe embeddings (which fingerprint the
-frozen backbone): the same model copied elsewhere keeps its id, and a retrained ``best`` gets a
-new one, which the index refuses to mix with the old (build a new index for a new model).
+Model id: ``puma.checkpoint.checkpoint_id``, the sha256 of the checkpoint's trainable weights, its
+model config and its probe embeddings: the same model copied elsewhere keeps its id, and a
+retrained ``best`` gets a new one, which the index refuses to mix with the old (build a new index
+for a new model).
 
 Rejects: ``<index>/rejects/<catalogue folder name>.jsonl`` (puma.data.rejects format; reasons
 corrupt, truncated, tiny, too_large, missing_file, empty_file). Listed items are not re-tried by
@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -42,8 +41,8 @@ import numpy as np
 import pyarrow as pa
 
 from puma import storage
-from puma.checkpoint import MODEL_FILE, CheckpointState, best_checkpoint_uri, read_checkpoint
-from puma.config import Config, absolute_paths, to_dict
+from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
+from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.rejects import read_rejects, reject_counts
 from puma.index import add_items, create_index, indexed_item_ids, plan_index, read_manifest
@@ -92,17 +91,6 @@ def resolve_checkpoint(cfg: Config, checkpoint: str | None = None) -> str:
     """``checkpoint``, else embed.checkpoint, else <train.storage_path>/<train.run_name>/best."""
     uri = checkpoint or cfg.embed.checkpoint or best_checkpoint_uri(cfg)
     return storage.absolute(uri)
-
-
-def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
-    """sha256 of the trainable weights, the model config (weights location aside) and the probe."""
-    state = state or read_checkpoint(uri)
-    model_cfg = to_dict(state.config.model)
-    model_cfg["backbone"].pop("weights", None)
-    digest = hashlib.sha256(storage.read_bytes(storage.join(uri, MODEL_FILE)))
-    digest.update(json.dumps(model_cfg, sort_keys=True).encode())
-    digest.update(json.dumps(state.meta.get("probe"), sort_keys=True).encode())
-    return "sha256:" + digest.hexdigest()
 
 
 def rejects_uri(index_uri: str, catalogue: str) -> str:

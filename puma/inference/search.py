@@ -4,7 +4,11 @@ Queries are stored vectors (a ``.npy`` (Q, E) float array, or an embeddings Parq
 and embedding), item ids already in the index (their stored embeddings, the item itself left
 out), or image files embedded in-process with a checkpoint's model (puma.inference.query).
 Results are one Parquet row per (query, rank): query, rank, item_id, score; optionally a
-retrieval grid PNG (puma.index.grid) of the queries and their results.
+retrieval grid PNG (puma.inference.grid) of the queries and their results.
+
+Image queries are embedded by a checkpoint: when the index records the id of the model that built
+it, the checkpoint's id (``puma.checkpoint.checkpoint_id``, computed as the embed job computes it)
+must equal it, else the results compare vectors of two different models and a warning says so.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import pyarrow as pa
 
 from puma import storage
 from puma.config import IndexConfig
-from puma.index.grid import GridItem, retrieval_grid, write_grid
 from puma.index.plan import IndexInputError
 from puma.index.search import ShardedIndex
 from puma.index.table import (
@@ -34,6 +37,7 @@ from puma.index.table import (
     read_table,
     to_parquet_bytes,
 )
+from puma.inference.grid import GridItem, retrieval_grid, write_grid
 
 log = logging.getLogger(__name__)
 GRID_COLUMNS = [ITEM_ID, DATASET, LABEL, IMAGE_URI, IMAGE_ROW]
@@ -102,7 +106,7 @@ def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str
     if not checkpoint:
         raise IndexInputError("searching by image needs a checkpoint (--checkpoint URI)")
     from puma.checkpoint import load_model  # torch / timm only when searching by image
-    from puma.inference.query import embed_images
+    from puma.inference.query import embed_images  # torch
 
     model, model_cfg = load_model(checkpoint)
     return embed_images(model, model_cfg, image_uris)
@@ -115,9 +119,15 @@ def check_query_model(index: ShardedIndex, checkpoint: str, dim: int) -> None:
         raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index.uri} holds "
                               f"{index.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
                               f"the checkpoint the index was built with")
-    if model_id and model_id != checkpoint:
-        log.warning("index %s was built by model %r; the queries are embedded by %s", index.uri, model_id,
-                    checkpoint)
+    if not model_id:
+        return  # an index built without a model id (build_index from vectors): nothing to compare
+    from puma.checkpoint import checkpoint_id  # torch: only when searching by image
+
+    query_id = checkpoint_id(checkpoint)
+    if query_id != model_id:
+        log.warning("index %s was built by model %s, but the queries are embedded by checkpoint %s (model "
+                    "%s): scores compare vectors of two models; search with the index's checkpoint",
+                    index.uri, model_id, checkpoint, query_id)
 
 
 def indexed_items(index: ShardedIndex, item_ids: list[str]) -> list[GridItem]:
