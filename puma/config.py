@@ -56,7 +56,7 @@ class BackboneConfig:
 
 @dataclass
 class AdapterConfig:
-    """Stochastic adapters (paper Eq. 2-3): two per block, rank r, keep probability p."""
+    """Stochastic adapters (paper Eq. 4-5): two per block, rank r, keep probability p."""
 
     enabled: bool = True
     rank: int = 128
@@ -75,7 +75,7 @@ class AdapterConfig:
 
 @dataclass
 class PromptPoolConfig:
-    """Conditional prompt pool (paper Eq. 4-5): M prompts of Np tokens, keys and attention."""
+    """Conditional prompt pool (paper Eq. 6-10): M prompts of Np tokens, keys and attention."""
 
     enabled: bool = True
     pool_size: int = 20  # M

@@ -1,4 +1,4 @@
-"""Stochastic adapters (paper Eq. 2-3), two per selected block, injected into a timm ViT.
+"""Stochastic adapters (paper Eq. 4-5), two per selected block, injected into a timm ViT.
 
 In a block with adapters (each adapter fed the same LayerNorm output as its sub-block):
 

@@ -1,9 +1,9 @@
-"""Conditional prompt pool (paper Eq. 4-5).
+"""Conditional prompt pool (paper Eq. 7-9; the query q of Eq. 6 is puma_model.patch_query).
 
-M prompts P_m (Np, D), keys K_m (D) and feature-attention vectors A_m (D). For a query q (D):
+M prompts P_m (Np, D), keys K_m (D) and feature-attention vectors A_m (D) (Eq. 7). For a query q (D):
 
-    alpha_m = cos(q * softmax(A_m), K_m)        raw cosine: no softmax over m, no normalisation
-    prompt  = sum_m alpha_m P_m                 (Np, D)
+    alpha_m = cos(q * softmax(A_m), K_m)        Eq. 8; raw cosine: no softmax over m, no normalisation
+    prompt  = sum_m alpha_m P_m                 Eq. 9; (Np, D)
 
 (The released code also passes alpha through a BatchNorm1d(affine=False) kept in eval mode with its
 initial statistics, i.e. a division by sqrt(1 + 1e-5); it is left out.) The orthogonality penalty is
