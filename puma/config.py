@@ -93,9 +93,11 @@ class HeadConfig:
     """Linear(D -> embed_dim) on the final-norm CLS token, then L2 normalisation."""
 
     embed_dim: int = 128
+    init: str = "random"  # random (nn.Linear's) | pca: centred PCA of the initial training features
 
     def __post_init__(self) -> None:
         _check_range("model.head.embed_dim", self.embed_dim, 1, 65536)
+        _check_choice("model.head.init", self.init, ("random", "pca"))
 
 
 LORA_TARGETS = ("q", "k", "v", "proj")
@@ -235,6 +237,8 @@ class LossConfig:
     margin: float = 0.3  # m
     t_mode: str = "per_class"  # CurricularFace hard-negative statistic t: per_class | global
     t_momentum: float = 0.99
+    t_update: str = "after"  # t used by a batch: after = earlier batches' t, then update (released code) | before
+    proxy_init: str = "random"  # random (kaiming-uniform) | centroids: each class's mean initial embedding
     xbm_memory_size: int = 0  # cross-batch memory (XBM) for pair-based losses; 0: off
 
     def __post_init__(self) -> None:
@@ -242,6 +246,8 @@ class LossConfig:
         _check(self.xbm_memory_size >= 0, f"loss.xbm_memory_size={self.xbm_memory_size!r} must be >= 0 "
                                           "(0: no cross-batch memory)")
         _check_choice("loss.t_mode", self.t_mode, ("per_class", "global"))
+        _check_choice("loss.t_update", self.t_update, ("after", "before"))
+        _check_choice("loss.proxy_init", self.proxy_init, ("random", "centroids"))
         _check(self.scale > 0, f"loss.scale={self.scale!r} must be > 0")
         _check_range("loss.t_momentum", self.t_momentum, 0.0, 1.0)
 
@@ -252,8 +258,10 @@ class OptimConfig:
 
     lr: float = 1e-4
     weight_decay: float = 1e-4
-    module_lr_mult: float = 10.0  # adapters, prompts, head
+    module_lr_mult: float = 10.0  # adapters, prompts (and the head unless head_lr_mult is set)
+    head_lr_mult: Optional[float] = None  # the embedding head; None: module_lr_mult (the paper's)
     proxy_lr_mult: float = 1e4  # loss proxies
+    warmup_steps: int = 0  # linear learning-rate warm-up over the first optimiser steps; 0: none
     backbone_lr_mult: float = 1.0  # only used by methods that train backbone weights
     step_epochs: int = 20
     gamma: float = 0.5
@@ -265,6 +273,9 @@ class OptimConfig:
         _check(self.step_epochs >= 1, "optim.step_epochs must be >= 1")
         _check_range("optim.gamma", self.gamma, 0.0, 1.0)
         _check(self.clip_value > 0, "optim.clip_value must be > 0")
+        _check(self.head_lr_mult is None or self.head_lr_mult > 0,
+               f"optim.head_lr_mult={self.head_lr_mult!r} must be > 0, or null (= module_lr_mult)")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps!r} must be >= 0 (0: none)")
 
 
 # ----------------------------------------------------------------------------- data

@@ -20,9 +20,11 @@ def _unit(v: list[float]) -> list[float]:
 
 
 def reference_curricularface(emb: torch.Tensor, W: torch.Tensor, labels: list[int], s: float, m: float,
-                             t: list[float], t_mode: str, mu: float) -> tuple[float, list[float], dict]:
+                             t: list[float], t_mode: str, mu: float,
+                             t_update: str = "before") -> tuple[float, list[float], dict]:
     """CurricularFace with Python floats, one sample and one class at a time; W is (E, C).
 
+    ``t_update``: the batch uses t after ("before") or before ("after") this batch's EMA update.
     Returns the mean loss, t after this batch's EMA update, and counts of the branches taken.
     """
     x = [_unit(row) for row in emb.tolist()]
@@ -30,12 +32,14 @@ def reference_curricularface(emb: torch.Tensor, W: torch.Tensor, labels: list[in
     cos = [[max(-1.0, min(1.0, sum(a * b for a, b in zip(xi, wj, strict=True)))) for wj in w] for xi in x]
     pos = [cos[i][y] for i, y in enumerate(labels)]
     t = list(t)
+    t_used = list(t)
     if t_mode == "global":
         t = [mu * t[0] + (1 - mu) * sum(pos) / len(pos)]
     else:
         for c in set(labels):
             members = [pos[i] for i, y in enumerate(labels) if y == c]
             t[c] = mu * t[c] + (1 - mu) * sum(members) / len(members)
+    t_used = t if t_update == "before" else t_used
     total, counts = 0.0, {"hard": 0, "easy": 0, "fallback": 0}
     for i, y in enumerate(labels):
         theta = math.acos(pos[i])
@@ -44,7 +48,7 @@ def reference_curricularface(emb: torch.Tensor, W: torch.Tensor, labels: list[in
         else:
             target = pos[i] - m * math.sin(m)
             counts["fallback"] += 1
-        t_i = t[y] if t_mode == "per_class" else t[0]
+        t_i = t_used[y] if t_mode == "per_class" else t_used[0]
         logits = []
         for j, c in enumerate(cos[i]):
             if j == y:
@@ -64,31 +68,59 @@ LABELS = [0, 0, 1, 1, 1, 2, 2, 0]  # class 3 is absent from the batch
 T_START = {"per_class": [0.2, -0.1, 0.4, 0.05], "global": [0.3]}
 
 
-def small_example(t_mode: str, momentum: float = 0.9) -> tuple[CurricularFaceLoss, torch.Tensor]:
+def small_example(t_mode: str, momentum: float = 0.9,
+                  t_update: str = "before") -> tuple[CurricularFaceLoss, torch.Tensor]:
     """4 classes, 6-d, float64; sample 0 sits opposite its proxy so theta_y + m > pi (the fallback)."""
     torch.manual_seed(3)
-    loss = CurricularFaceLoss(4, 6, margin=0.3, scale=32.0, t_mode=t_mode, t_momentum=momentum).double()
+    loss = CurricularFaceLoss(4, 6, margin=0.3, scale=32.0, t_mode=t_mode, t_momentum=momentum,
+                              t_update=t_update).double()
     loss.t.copy_(torch.tensor(T_START[t_mode], dtype=torch.float64))
     emb = loss.W.detach().t()[LABELS] * 0.5 + 0.6 * torch.randn(len(LABELS), 6, dtype=torch.float64)
     emb[0] = -loss.W.detach()[:, LABELS[0]] + 0.01 * torch.randn(6, dtype=torch.float64)
     return loss, emb
 
 
+@pytest.mark.parametrize("t_update", ["after", "before"])
 @pytest.mark.parametrize("t_mode", ["per_class", "global"])
-def test_curricularface_equals_hand_computation_and_updates_t(t_mode):
-    loss, emb = small_example(t_mode)
+def test_curricularface_equals_hand_computation_and_updates_t(t_mode, t_update):
+    loss, emb = small_example(t_mode, t_update=t_update)
     W0 = loss.W.detach().clone()
     expected, t_after, counts = reference_curricularface(emb, W0, LABELS, 32.0, 0.3, T_START[t_mode],
-                                                         t_mode, mu=0.9)
+                                                         t_mode, mu=0.9, t_update=t_update)
     assert counts["hard"] > 0 and counts["easy"] > 0 and counts["fallback"] == 1  # every branch is exercised
     got = loss(emb, torch.tensor(LABELS))
     assert got.item() == pytest.approx(expected, abs=1e-9)
     assert loss.t.tolist() == pytest.approx(t_after, abs=1e-12)
     # a second batch: the EMA continues from the updated t
     expected2, t_after2, _ = reference_curricularface(emb.flip(0), W0, LABELS[::-1], 32.0, 0.3, t_after,
-                                                      t_mode, mu=0.9)
+                                                      t_mode, mu=0.9, t_update=t_update)
     assert loss(emb.flip(0), torch.tensor(LABELS[::-1])).item() == pytest.approx(expected2, abs=1e-9)
     assert loss.t.tolist() == pytest.approx(t_after2, abs=1e-12)
+
+
+# Step-1 losses of a fresh per-class loss (t = 0) on the seeded example below: "after" (the released
+# PUMA code, the default) scores the first batch with t = 0; "before" with t already moved to
+# (1 - mu) x the batch's positive cosine. Pinned so a change of order or of the default shows.
+STEP1_LOSS = {"after": 5.240455175, "before": 5.608683103}
+
+
+@pytest.mark.parametrize("t_update", ["after", "before"])
+def test_step1_loss_of_each_t_order_is_pinned(t_update):
+    torch.manual_seed(11)
+    loss = CurricularFaceLoss(4, 6, margin=0.3, scale=32.0, t_momentum=0.9, t_update=t_update).double()
+    emb = loss.W.detach().t()[LABELS] * 0.5 + 0.6 * torch.randn(len(LABELS), 6, dtype=torch.float64)
+    got = loss(emb, torch.tensor(LABELS)).item()
+    expected, _, _ = reference_curricularface(emb, loss.W.detach(), LABELS, 32.0, 0.3, [0.0] * 4,
+                                              "per_class", mu=0.9, t_update=t_update)
+    assert got == pytest.approx(expected, abs=1e-9)
+    assert got == pytest.approx(STEP1_LOSS[t_update], abs=1e-6)
+
+
+def test_default_t_order_is_the_released_codes():
+    assert LossConfig().t_update == "after" and CurricularFaceLoss(4, 6).t_update == "after"
+    assert build_loss(LossConfig(t_update="before"), 4, 6).loss.t_update == "before"
+    with pytest.raises(ValueError, match="t_update"):
+        CurricularFaceLoss(4, 6, t_update="during")
 
 
 def test_per_class_t_moves_only_classes_in_the_batch():

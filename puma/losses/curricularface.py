@@ -10,11 +10,16 @@ With x_i the embedding of sample i (label y_i) and W_j the proxy of class j, bot
     L_i = -log( e^{s T(cos_y)} / (e^{s T(cos_y)} + sum_{j != y} e^{s N(t, cos_j)}) ),  L = mean_i L_i
 
 t is the curriculum statistic, an EMA of the positive cosine r (paper Eq. 10), updated under
-no_grad in training mode only, from the current batch, before it is used on that batch:
+no_grad in training mode only, from the current batch:
 
     global    : t   <- mu t   + (1 - mu) mean_i cos_{y_i}             (the original CurricularFace)
     per_class : t_c <- mu t_c + (1 - mu) mean_{i: y_i = c} cos_{y_i}  (the released PUMA code;
                 only classes present in the batch move, and sample i uses t_{y_i})
+
+``t_update`` says when a batch's update happens relative to its use:
+
+    after  : the batch uses t as earlier batches left it, then t is updated (the released PUMA code)
+    before : t is updated from the batch first, then used on it (the original CurricularFace code)
 
 t starts at 0 and is a buffer, so it is saved in the state_dict and, under DDP, broadcast like
 any buffer. The loss is computed in full precision even inside an autocast region.
@@ -30,6 +35,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 T_MODES = ("per_class", "global")
+T_UPDATES = ("after", "before")
 
 
 class LossInputError(ValueError):
@@ -61,8 +67,10 @@ class CurricularFaceLoss(LargeMarginSoftmaxLoss):
     """ArcFace margin on the positive; hard negatives re-weighted by t (per class or global)."""
 
     def __init__(self, num_classes: int, embedding_size: int, margin: float = 0.3, scale: float = 32.0,
-                 t_mode: str = "per_class", t_momentum: float = 0.99, **kwargs):
+                 t_mode: str = "per_class", t_momentum: float = 0.99, t_update: str = "after", **kwargs):
         _check_args(num_classes, embedding_size, margin, scale, t_mode, t_momentum)
+        if t_update not in T_UPDATES:
+            raise ValueError(f"t_update={t_update!r} is not valid; choose one of {list(T_UPDATES)}")
         # W: (E, C); kaiming-uniform over the class dimension, bound sqrt(6 / C), as the released code
         kwargs.setdefault("weight_init_func", c_f.TorchInitWrapper(torch.nn.init.kaiming_uniform_,
                                                                    mode="fan_in"))
@@ -70,6 +78,7 @@ class CurricularFaceLoss(LargeMarginSoftmaxLoss):
                          scale=scale, **kwargs)
         self.t_mode = t_mode
         self.t_momentum = float(t_momentum)
+        self.t_update = t_update
         self.register_buffer("t", torch.zeros(num_classes if t_mode == "per_class" else 1))
 
     def init_margin(self) -> None:
@@ -123,9 +132,12 @@ class CurricularFaceLoss(LargeMarginSoftmaxLoss):
         cosine = self.get_cosine(embeddings).clamp(-1.0, 1.0)  # (B, C)
         cos_y = cosine.gather(1, labels.unsqueeze(1))  # (B, 1)
         target = self.modify_cosine_of_target_classes(cos_y)  # (B, 1)
-        if self.training:
+        update = self.training
+        if update and self.t_update == "before":
             self.update_t(cos_y.squeeze(1), labels)
         logits = self.modulate_negatives(cosine, target, self.t_for(labels))  # (B, C)
+        if update and self.t_update == "after":
+            self.update_t(cos_y.squeeze(1), labels)
         logits = self.scale_logits(logits.scatter(1, labels.unsqueeze(1), target))
         miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=logits.dtype)  # (B,)
         loss_dict = {"loss": {"losses": self.cross_entropy(logits, labels) * miner_weights,
@@ -139,7 +151,8 @@ class CurricularFaceLoss(LargeMarginSoftmaxLoss):
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, embedding_size={self.W.shape[0]}, margin={self.margin}, "
-                f"scale={self.scale}, t_mode={self.t_mode!r}, t_momentum={self.t_momentum}")
+                f"scale={self.scale}, t_mode={self.t_mode!r}, t_momentum={self.t_momentum}, "
+                f"t_update={self.t_update!r}")
 
 
 def _check_args(num_classes: int, embedding_size: int, margin: float, scale: float, t_mode: str,

@@ -6,7 +6,7 @@ scalar``); its proxies, if any, are ordinary parameters of that module, also lis
 default settings" (appendix A); the settings used, with their source:
 
 =================  ==========================================================================
-curricularface     CurricularFaceLoss(m = loss.margin, s = loss.scale, t_mode, t_momentum);
+curricularface     CurricularFaceLoss(m = loss.margin, s = loss.scale, t_mode, t_momentum, t_update);
                    paper: s = 32, m = 0.3
 arcface            ArcFaceLoss(m = loss.margin (radians), s = loss.scale); ArcFace's own
                    defaults are s = 64, m = 0.5, which the released code used
@@ -42,6 +42,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from pytorch_metric_learning import distances, losses, miners
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch import nn
@@ -69,6 +70,27 @@ class MetricLoss(nn.Module):
     def proxy_parameters(self) -> list[nn.Parameter]:
         """The loss's learnable proxies (empty for pair losses)."""
         return list(self.loss.parameters())
+
+    @torch.no_grad()
+    def init_proxies(self, centroids: torch.Tensor, counts: torch.Tensor) -> int:
+        """Point each class's proxy at its centroid (C, E) where counts (C,) > 0; returns how many moved.
+
+        Proxies keep their mean initial norm (the optimiser's step size relative to them is unchanged);
+        classes without images keep their random proxy.
+        """
+        proxies = self.proxy_parameters()
+        if len(proxies) != 1 or self.num_classes is None:
+            raise ValueError(f"loss.proxy_init=centroids needs a loss with one proxy per class; "
+                             f"{type(self.loss).__name__} has {len(proxies)} proxy tensor(s)")
+        weight = proxies[0]
+        by_class = weight.T if weight.shape == (self.embedding_size, self.num_classes) else weight  # (C, E)
+        if by_class.shape != centroids.shape:
+            raise ValueError(f"centroids of shape {tuple(centroids.shape)} do not fit proxies of shape "
+                             f"{tuple(weight.shape)}")
+        present = counts > 0
+        norm = by_class.norm(dim=1).mean()
+        by_class[present] = F.normalize(centroids[present].to(by_class), dim=1) * norm
+        return int(present.sum())
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         check_embeddings_labels(embeddings, labels, self.embedding_size, self.num_classes)
@@ -105,7 +127,8 @@ def _class_dim_uniform(mode: str) -> c_f.TorchInitWrapper:
 
 def _curricularface(cfg: LossConfig, num_classes: int, embed_dim: int):
     return CurricularFaceLoss(num_classes, embed_dim, margin=cfg.margin, scale=cfg.scale,
-                              t_mode=cfg.t_mode, t_momentum=cfg.t_momentum), None
+                              t_mode=cfg.t_mode, t_momentum=cfg.t_momentum,
+                              t_update=cfg.t_update), None
 
 
 def _arcface(cfg: LossConfig, num_classes: int, embed_dim: int):
