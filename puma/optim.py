@@ -4,12 +4,14 @@ Learning rate of each group = ``optim.lr`` x its multiplier:
 
     backbone  x backbone_lr_mult  (1; only methods that train backbone weights put anything here)
     modules   x module_lr_mult    (10; adapters and prompts)
-    head      x module_lr_mult    (10; the 128-d embedding layer)
+    head      x head_lr_mult      (default: module_lr_mult; the 128-d embedding layer)
     proxies   x proxy_lr_mult     (1e4; the loss's proxies, as Proxy-Anchor and the released code)
 
 Every group uses ``optim.weight_decay`` (the released code decays every group, proxies included).
 The rate halves (``gamma``) every ``step_epochs`` epochs; the scheduler is stepped once per epoch,
-so epoch e trains at lr x gamma^(e // step_epochs). Gradients are clipped by value to
+so epoch e trains at lr x gamma^(e // step_epochs). ``warmup_steps`` > 0 scales every group's rate by
+min(1, (s + 1) / warmup_steps) at optimiser step s (counted over the whole run), on top of the
+epoch schedule (:func:`set_step_lr`, called before each step). Gradients are clipped by value to
 +-``clip_value`` (the released code clamps every model and loss gradient to +-1).
 """
 
@@ -27,8 +29,9 @@ MODEL_GROUPS = ("backbone", "modules", "head")
 
 def group_lr_mults(cfg: OptimConfig) -> dict[str, float]:
     """Learning-rate multiplier of each named group."""
+    head = cfg.module_lr_mult if cfg.head_lr_mult is None else cfg.head_lr_mult
     return {"backbone": cfg.backbone_lr_mult, "modules": cfg.module_lr_mult,
-            "head": cfg.module_lr_mult, "proxies": cfg.proxy_lr_mult}
+            "head": head, "proxies": cfg.proxy_lr_mult}
 
 
 def build_optimizer(param_groups: Mapping[str, Iterable[nn.Parameter]], loss_module: nn.Module | None,
@@ -81,6 +84,29 @@ def _check_disjoint(named: dict[str, list[nn.Parameter]]) -> None:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.StepLR:
     """Step decay: every group's lr x gamma every ``step_epochs`` epochs (call ``.step()`` once per epoch)."""
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.step_epochs, gamma=cfg.gamma)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warm-up: min(1, (step + 1) / warmup_steps) for the 0-based optimiser step; 1 without one."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+def set_step_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                step: int, warmup_steps: int) -> None:
+    """Each group's lr = the epoch schedule's lr x the warm-up factor of ``step``.
+
+    Call before every optimiser step, and :func:`end_warmup_epoch` before ``scheduler.step()`` so
+    the (chainable) step schedule continues from its own rates, not the warmed-up ones.
+    """
+    factor = warmup_factor(step, warmup_steps)
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr * factor
+
+
+def end_warmup_epoch(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Restore the schedule's own rates (undo a partial warm-up factor) before ``scheduler.step()``."""
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], clip_value: float) -> None:

@@ -10,7 +10,14 @@ from torch import nn
 
 from puma.config import LossConfig, OptimConfig
 from puma.losses import build_loss
-from puma.optim import build_optimizer, build_scheduler, clip_gradients
+from puma.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    end_warmup_epoch,
+    set_step_lr,
+    warmup_factor,
+)
 
 
 class ToyModel(nn.Module):
@@ -114,3 +121,33 @@ def test_clip_gradients_clamps_by_value():
     assert a.grad.tolist() == pytest.approx([-0.25, 0.25, 0.25, -0.2])
     with pytest.raises(ValueError, match="clip_value=0"):
         clip_gradients([a], 0)
+
+
+def test_head_lr_mult_defaults_to_the_module_rate_and_can_be_set_apart():
+    model, loss = ToyModel(), build_loss(LossConfig(), num_classes=5, embed_dim=16)
+    same = by_name(build_optimizer(model.param_groups(), loss, OptimConfig(lr=1e-4)))
+    assert same["head"]["lr"] == pytest.approx(same["modules"]["lr"])
+    apart = by_name(build_optimizer(model.param_groups(), loss, OptimConfig(lr=1e-4, head_lr_mult=50)))
+    assert apart["head"]["lr"] == pytest.approx(5e-3) and apart["modules"]["lr"] == pytest.approx(1e-3)
+
+
+def test_warmup_ramps_every_group_linearly_then_hands_back_to_the_epoch_schedule():
+    model, loss = ToyModel(), build_loss(LossConfig(), num_classes=5, embed_dim=16)
+    cfg = OptimConfig(lr=1e-4, warmup_steps=4, step_epochs=1, gamma=0.5)
+    optimizer = build_optimizer(model.param_groups(), loss, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    base = {g["name"]: g["lr"] for g in optimizer.param_groups}
+    seen = []
+    for step in range(3):  # epoch 0: steps 0..2 at 1/4, 2/4, 3/4 of the rate
+        set_step_lr(optimizer, scheduler, step, cfg.warmup_steps)
+        seen.append({g["name"]: g["lr"] / base[g["name"]] for g in optimizer.param_groups})
+    assert [s["modules"] for s in seen] == pytest.approx([0.25, 0.5, 0.75])
+    assert all(len(set(round(v, 12) for v in s.values())) == 1 for s in seen)  # every group alike
+    end_warmup_epoch(optimizer, scheduler)
+    scheduler.step()  # epoch 1: the decay applies to the schedule's own rate, not the warmed-up one
+    for step, factor in ((3, 1.0), (4, 1.0)):
+        set_step_lr(optimizer, scheduler, step, cfg.warmup_steps)
+        assert by_name(optimizer)["proxies"]["lr"] == pytest.approx(base["proxies"] * 0.5 * factor)
+    assert warmup_factor(0, 0) == 1.0 and warmup_factor(9, 10) == 1.0
+    with pytest.raises(Exception, match="warmup_steps"):
+        OptimConfig(warmup_steps=-1)

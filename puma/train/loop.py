@@ -28,7 +28,7 @@ from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
 from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
-from puma.optim import build_optimizer, build_scheduler
+from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
 from puma.train.step import train_step
 
 TRAIN_EVAL = "train_eval"  # the training images in the eval view, for methods that cluster them
@@ -68,7 +68,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     for epoch in range(state.epoch, cfg.train.epochs):
         stats = method.on_epoch_start(epoch, model, device,
                                       lambda: _batches(TRAIN_EVAL, cfg.eval.batch_size, drop_last=False))
-        stats |= _train_epoch(cfg, module, optimizer, scaler, device, epoch, state, method.batch_labels)
+        stats |= _train_epoch(cfg, module, optimizer, scheduler, scaler, device, epoch, state,
+                              method.batch_labels)
+        end_warmup_epoch(optimizer, scheduler)
         scheduler.step()
         state.epoch = epoch + 1
         metrics = _epoch_metrics(cfg, module, device, state, stats, optimizer)
@@ -105,7 +107,7 @@ def _batches(split: str, batch_size: int, drop_last: bool, **options):
     return shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=drop_last, **options)
 
 
-def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, state: RunState,
+def _train_epoch(cfg: Config, module, optimizer, scheduler, scaler, device, epoch: int, state: RunState,
                  batch_labels) -> dict:
     """One pass over this worker's shard of the training stream."""
     world = ray.train.get_context().get_world_size()
@@ -119,6 +121,7 @@ def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, sta
             break
         images = torch.as_tensor(batch["image"], device=device)  # (B, 3, H, W)
         labels = torch.as_tensor(batch_labels(batch), device=device, dtype=torch.long)  # (B,)
+        set_step_lr(optimizer, scheduler, state.step, cfg.optim.warmup_steps)
         out = train_step(module, optimizer, images, labels, cfg.optim.clip_value, cfg.train.precision, scaler)
         losses.append(out["loss"])
         for key, value in out.items():
