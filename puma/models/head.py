@@ -3,6 +3,13 @@
 The MLP-3 head (method mlp3, PUMA Table 2(c) "MLP-3 Emb.") follows the released code: Linear(D, 2048)
 - GELU - Linear(2048, 2048) - GELU - Linear(2048, 128), no normalisation layers (5.25M parameters at
 ViT-S).
+
+``model.head.init`` (HeadConfig) chooses the linear head's starting point:
+
+- ``random``: nn.Linear's default initialisation (the released code's);
+- ``pca``: the projection onto the top-``embed_dim`` principal directions of the model's own
+  initial features of the training images, centred on their mean (``init_from_features``), so the
+  first step starts from the frozen backbone's retrieval quality instead of a random projection of it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,45 @@ class EmbeddingHead(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.proj(features), p=2, dim=-1)  # (B, D) -> (B, E)
 
+    @torch.no_grad()
+    def init_from_features(self, mean: torch.Tensor, cov: torch.Tensor) -> None:
+        """PCA init from feature statistics: mean (D,), covariance (D, D); x -> U^T (x - mean)."""
+        dim, embed_dim = self.proj.in_features, self.proj.out_features
+        if mean.shape != (dim,) or cov.shape != (dim, dim):
+            raise ValueError(f"feature statistics must be mean ({dim},) and covariance ({dim}, {dim}); "
+                             f"got {tuple(mean.shape)} and {tuple(cov.shape)}")
+        if embed_dim > dim:
+            raise ValueError(f"PCA init needs embed_dim <= the feature width; got {embed_dim} > {dim}")
+        _, vectors = torch.linalg.eigh(cov.double())  # ascending eigenvalues
+        top = vectors[:, -embed_dim:].flip(-1)  # (D, E), largest variance first
+        top = top * torch.sign(top.sum(0, keepdim=True) + 1e-30)  # a deterministic sign per direction
+        self.proj.weight.copy_(top.T.to(self.proj.weight))
+        self.proj.bias.copy_((-top.T @ mean.double()).to(self.proj.bias))
+
+
+class FeatureMoments:
+    """Running sums for the PCA init: count, sum x and sum x x^T of (B, D) features."""
+
+    def __init__(self, dim: int) -> None:
+        self.count = torch.zeros((), dtype=torch.float64)
+        self.sum = torch.zeros(dim, dtype=torch.float64)
+        self.outer = torch.zeros(dim, dim, dtype=torch.float64)
+
+    def add(self, features: torch.Tensor) -> None:
+        x = features.detach().to(torch.float64).cpu()  # (B, D)
+        self.count += x.shape[0]
+        self.sum += x.sum(0)
+        self.outer += x.T @ x
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The sums, for an all-reduce across workers (summed in place)."""
+        return [self.count, self.sum, self.outer]
+
+    def mean_cov(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.count < 2:
+            raise ValueError(f"PCA init needs at least 2 training images; got {int(self.count)}")
+        mean = self.sum / self.count
+        return mean, self.outer / self.count - torch.outer(mean, mean)
 
 MLP_HIDDEN_DIM = 2048
 MLP_LAYERS = 3

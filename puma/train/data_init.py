@@ -1,0 +1,66 @@
+"""Data-driven initialisation before the first step: the PCA head and class-centroid proxies.
+
+One pass over the training images in the eval view with the model as built (adapters are no-ops at
+init, prompts as initialised): the features' mean and covariance give the head's PCA projection
+(``model.head.init=pca``), then each class's mean embedding gives its proxy
+(``loss.proxy_init=centroids``). Statistics are sums, so workers add theirs with ``reduce`` (an
+all-reduce in place; identity on one worker) and every rank ends with the same head and proxies.
+No Ray here; the loop passes the batches and the reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from puma.models.head import FeatureMoments
+
+Reduce = Callable[[list[torch.Tensor]], None]
+
+
+def _no_reduce(tensors: list[torch.Tensor]) -> None:
+    """One worker: the local sums are the global ones."""
+
+
+@torch.no_grad()
+def _features(model: nn.Module, batches: Iterable[dict], device: torch.device,
+              labels_of: Callable[[dict], np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features (N, D) on CPU and global labels (N,) of every batch."""
+    was_training = model.training
+    model.eval()
+    feats, labels = [], []
+    for batch in batches:
+        images = torch.as_tensor(np.asarray(batch["image"]), device=device)  # (B, 3, H, W)
+        feats.append(model.forward_features(images).float().cpu())  # (B, D)
+        labels.append(torch.as_tensor(np.asarray(labels_of(batch)), dtype=torch.long))
+    model.train(was_training)
+    if not feats:
+        return torch.zeros(0, model.num_features), torch.zeros(0, dtype=torch.long)
+    return torch.cat(feats), torch.cat(labels)
+
+
+def init_from_data(model: nn.Module, loss: nn.Module, batches: Iterable[dict], device: torch.device,
+                   labels_of: Callable[[dict], np.ndarray], head: bool, proxies: bool,
+                   reduce: Reduce = _no_reduce) -> dict[str, float]:
+    """PCA head and/or centroid proxies from one pass over ``batches``; returns what was done."""
+    feats, labels = _features(model, batches, device, labels_of)
+    out: dict[str, float] = {"init/images": float(len(labels))}
+    if head:
+        moments = FeatureMoments(feats.shape[1])
+        moments.add(feats)
+        reduce(moments.tensors())
+        model.head.init_from_features(*moments.mean_cov())
+        out["init/images"] = float(moments.count)
+    if proxies:
+        with torch.no_grad():
+            emb = model.head(feats.to(next(model.head.parameters()).device)).double().cpu()  # (N, E)
+        num_classes = loss.num_classes
+        sums = torch.zeros(num_classes, emb.shape[1], dtype=torch.float64).index_add_(0, labels, emb)
+        counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+        reduce([sums, counts])
+        centroids = sums / counts.clamp_min(1.0).unsqueeze(1)
+        out["init/proxies"] = float(loss.init_proxies(centroids.float(), counts))
+    return out
