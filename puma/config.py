@@ -237,7 +237,7 @@ class LossConfig:
     margin: float = 0.3  # m
     t_mode: str = "per_class"  # CurricularFace hard-negative statistic t: per_class | global
     t_momentum: float = 0.99
-    t_update: str = "after"  # t used by a batch: after = earlier batches' t, then update (released code) | before
+    t_update: str = "after"  # after: a batch uses earlier batches' t, then updates it (released) | before
     proxy_init: str = "random"  # random (kaiming-uniform) | centroids: each class's mean initial embedding
     xbm_memory_size: int = 0  # cross-batch memory (XBM) for pair-based losses; 0: off
 

@@ -103,7 +103,8 @@ def set_step_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sche
         group["lr"] = lr * factor
 
 
-def end_warmup_epoch(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+def end_warmup_epoch(optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     """Restore the schedule's own rates (undo a partial warm-up factor) before ``scheduler.step()``."""
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
