@@ -195,11 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> dict:
-    from puma.models import build_model
+    from puma.data.images import backbone_normalisation
+    from puma.methods import build_method_training, build_model
     from puma.models.trainable import count_trainable, trainable_parameter_groups
     from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
-    from puma.train.driver import backbone_normalisation
-    from puma.train.methods import build_method_training
     from puma.train.step import train_step
 
     cfg = absolute_paths(load_config(args.config, args.overrides))

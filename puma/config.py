@@ -63,6 +63,7 @@ class AdapterConfig:
     keep_prob: float = 0.5
     scale: float = 0.1
     blocks: Optional[list[int]] = None  # None: every block; else block indices, e.g. [0..11]
+    layer_scale: bool = False  # outputs through the block's LayerScale (no-op on ViTs without it)
 
     def __post_init__(self) -> None:
         _check_range("model.adapter.rank", self.rank, 1, 4096)

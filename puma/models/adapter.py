@@ -6,7 +6,11 @@ In a block with adapters (each adapter fed the same LayerNorm output as its sub-
     h = norm2(x);  x = x + drop_path2(ls2(mlp(h)))  + adapter_mlp(h)
 
 As in the released code, the adapter output bypasses the block's LayerScale and DropPath; its own
-stochasticity is the per-sample keep mask. The block keeps its class's weights and state-dict keys
+stochasticity is the per-sample keep mask. With ``model.adapter.layer_scale`` the adapter output is
+multiplied by its sub-block's LayerScale (``ls1`` / ``ls2``), so an adapter's update is measured
+against its sub-block's own: the same thing on ViTs without LayerScale (the paper's ViT-S/16), but
+on DINOv2 (LayerScale 0.1-0.3 in the first blocks, 2-7 in the last) it keeps the early adapters
+from dominating their blocks (``bench/recipe_lab.py`` shows it; see docs/recipe.md). The block keeps its class's weights and state-dict keys
 (``AdaptedBlock`` only adds the two adapter submodules and a forward), so pretrained weights still
 load strict into the plain keys.
 """
@@ -63,15 +67,19 @@ class AdaptedBlock(Block):
 
     adapter_attn: StochasticAdapter
     adapter_mlp: StochasticAdapter
+    adapter_layer_scale: bool = False  # adapter outputs through ls1 / ls2 (model.adapter.layer_scale)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         h = self.norm1(x)  # (B, N, D)
         x = x + self.drop_path1(self.ls1(self.attn(h, attn_mask=attn_mask, is_causal=is_causal)))
-        x = x + self.adapter_attn(h)
+        x = x + self._scaled(self.ls1, self.adapter_attn(h))
         h = self.norm2(x)
-        x = x + self.drop_path2(self.ls2(self.mlp(h))) + self.adapter_mlp(h)
+        x = x + self.drop_path2(self.ls2(self.mlp(h))) + self._scaled(self.ls2, self.adapter_mlp(h))
         return x
+
+    def _scaled(self, layer_scale: nn.Module, update: torch.Tensor) -> torch.Tensor:
+        return layer_scale(update) if self.adapter_layer_scale else update
 
 
 def inject_adapters(vit: VisionTransformer, cfg: AdapterConfig) -> list[int]:
@@ -86,6 +94,7 @@ def inject_adapters(vit: VisionTransformer, cfg: AdapterConfig) -> list[int]:
         block.adapter_attn = StochasticAdapter(dim, cfg.rank, cfg.keep_prob, cfg.scale).to(device)
         block.adapter_mlp = StochasticAdapter(dim, cfg.rank, cfg.keep_prob, cfg.scale).to(device)
         block.__class__ = AdaptedBlock
+        block.adapter_layer_scale = cfg.layer_scale
     return indices
 
 
