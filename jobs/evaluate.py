@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args  # noqa: E402
+from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
 from puma.config import Config  # noqa: E402
 
 
@@ -59,4 +59,4 @@ def embed_test_split(cfg: Config, uri: str, checkpoint: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_job(main))

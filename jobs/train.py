@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args  # noqa: E402
+from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,4 +34,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_job(main))

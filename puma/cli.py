@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from puma.config import Config, ConfigError, dump_yaml, valid_keys
+from puma.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
@@ -21,6 +24,8 @@ def job_parser(description: str) -> argparse.ArgumentParser:
                                          f"{DEMO_CONFIG.relative_to(REPO_ROOT)} (the embedded default)")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show tracebacks of user errors, and library logs where a job has them")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     return parser
 
@@ -50,3 +55,22 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> t
         print(dump_yaml(cfg))
         return args, None
     return args, cfg
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (newlines folded), never empty."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def run_job(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run a job's ``main``: a UserError prints ``error: <message>`` on one line and gives exit code 2
+    (its traceback too with --verbose); any other exception is internal: exit 1 with the traceback."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        return main(argv)
+    except UserError as exc:
+        if "--verbose" in args:
+            traceback.print_exc()
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2

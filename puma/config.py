@@ -17,9 +17,10 @@ from typing import Any, Optional
 import yaml
 
 from puma import storage
+from puma.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration key or value is invalid; the message says which and what is valid."""
 
 

@@ -22,7 +22,7 @@ PACKAGE = "puma"
 # Lowest first. A unit may import its own modules and any unit of a lower layer; units of one layer
 # are independent of each other. A module belongs to the unit with the longest matching name.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("puma", "puma.storage", "puma.distributed", "puma.runtime"),  # foundations: no puma imports
+    ("puma", "puma.errors", "puma.storage", "puma.distributed", "puma.runtime"),  # foundations
     ("puma.config",),  # typed config; reads YAML through storage
     ("puma.data", "puma.models", "puma.losses", "puma.optim"),  # building blocks
     ("puma.methods",),  # one record per method: composes models, losses, data (pseudo-labels)
