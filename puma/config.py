@@ -232,6 +232,9 @@ LOSS_NAMES = ("curricularface", "arcface", "cosface", "proxy_anchor", "softtripl
               "triplet", "margin", "multi_similarity", "hyp", "supcon", "proxy_nca_pp")
 
 
+ONE_PROXY_PER_CLASS = ("curricularface", "arcface", "cosface", "proxy_anchor", "proxy_nca_pp")
+
+
 @dataclass
 class LossConfig:
     name: str = "curricularface"
@@ -250,6 +253,9 @@ class LossConfig:
         _check_choice("loss.t_mode", self.t_mode, ("per_class", "global"))
         _check_choice("loss.t_update", self.t_update, ("after", "before"))
         _check_choice("loss.proxy_init", self.proxy_init, ("random", "centroids"))
+        _check(self.proxy_init == "random" or self.name in ONE_PROXY_PER_CLASS,
+               f"loss.proxy_init=centroids needs a loss with one learned proxy per class "
+               f"{list(ONE_PROXY_PER_CLASS)}; loss.name={self.name!r} has none (or several per class)")
         _check(self.scale > 0, f"loss.scale={self.scale!r} must be > 0")
         _check_range("loss.t_momentum", self.t_momentum, 0.0, 1.0)
 

@@ -71,6 +71,21 @@ def average_over_ranks(grad: torch.Tensor) -> torch.Tensor:
     return grad / dist.get_world_size()
 
 
+def sum_over_ranks(tensors: list[torch.Tensor]) -> None:
+    """All-reduce (sum) each CPU tensor in place across ranks; nothing to do on one process.
+
+    The tensors travel through the default device of the process group (NCCL needs CUDA tensors).
+    """
+    if not is_distributed():
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    for t in tensors:
+        moved = t.to(device)
+        dist.all_reduce(moved)
+        t.copy_(moved.to(t.device))
+
+
 def broadcast_object(obj: T) -> T:
     """``obj`` from rank 0 on every rank (itself when not distributed)."""
     if not is_distributed():

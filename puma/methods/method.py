@@ -34,6 +34,18 @@ from puma.models.puma_model import PumaModel
 from puma.models.trainable import PARTS
 
 
+def refuse_data_init(cfg: Config, head: bool = True, proxies: bool = True) -> None:
+    """Raise ConfigError if ``cfg`` asks this method for a data-driven start it cannot take:
+    ``model.head.init=pca`` (``head``) or ``loss.proxy_init=centroids`` (``proxies``)."""
+    method = cfg.model.method
+    if head and cfg.model.head.init != "random":
+        raise ConfigError(f"model.head.init={cfg.model.head.init!r} needs the linear embedding head; "
+                          f"model.method={method!r} has another: set model.head.init=random")
+    if proxies and cfg.loss.proxy_init != "random":
+        raise ConfigError(f"loss.proxy_init={cfg.loss.proxy_init!r} needs one learned proxy per class in "
+                          f"the loss; model.method={method!r} has none: set loss.proxy_init=random")
+
+
 class TrainModule(nn.Module):
     """Model + loss in one module (one DDP wrapper covers the proxies); the loss on the global batch."""
 

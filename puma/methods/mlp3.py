@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from puma.config import ModelConfig
-from puma.methods.method import Method
+from puma.config import Config, ModelConfig
+from puma.methods.method import Method, refuse_data_init
 from puma.models.backbone import create_backbone
 from puma.models.head import MlpEmbeddingHead
 from puma.models.puma_model import PumaModel
@@ -15,4 +15,9 @@ def build(cfg: ModelConfig) -> PumaModel:
     return PumaModel(backbone, MlpEmbeddingHead(backbone.embed_dim, cfg.head.embed_dim))
 
 
-MLP3 = Method(name="mlp3", build=build, trainable=("head",))
+def check_config(cfg: Config) -> None:
+    """The PCA head init is for the linear head only."""
+    refuse_data_init(cfg, head=True, proxies=False)
+
+
+MLP3 = Method(name="mlp3", build=build, trainable=("head",), check_config=check_config)

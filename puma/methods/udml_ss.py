@@ -32,7 +32,7 @@ from puma.data.pseudo_labels import PseudoLabels, embed_items
 from puma.distributed import gather_labels, gather_with_grad
 from puma.losses.factory import MetricLoss
 from puma.methods import puma
-from puma.methods.method import Method, Training, TrainModule
+from puma.methods.method import Method, Training, TrainModule, refuse_data_init
 from puma.models.rotation import draw_rotations, rotate_images
 from puma.models.udml_ss import UdmlSsModel
 
@@ -110,5 +110,10 @@ class UdmlSsTraining(Training):
         return self.pseudo_labels.lookup(batch["item_id"])
 
 
+def check_config(cfg: Config) -> None:
+    """No labels to start from: the PCA head and centroid proxies need the training classes."""
+    refuse_data_init(cfg)
+
+
 UDML_SS = Method(name="udml_ss", build=build, trainable=("adapters", "prompt_pool", "head", "rotation_head"),
-                 train_module=train_module, training=UdmlSsTraining)
+                 train_module=train_module, training=UdmlSsTraining, check_config=check_config)

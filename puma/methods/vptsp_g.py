@@ -24,7 +24,7 @@ from puma.config import Config, ConfigError, ModelConfig
 from puma.distributed import gather_labels, gather_with_grad
 from puma.losses.memory_bank import ClassPromptBank
 from puma.losses.semantic_proxy import SemanticProxyLoss
-from puma.methods.method import Method, TrainModule
+from puma.methods.method import Method, TrainModule, refuse_data_init
 from puma.models.backbone import create_backbone
 from puma.models.head import EmbeddingHead
 from puma.models.puma_model import PumaModel
@@ -100,6 +100,7 @@ def check_config(cfg: Config) -> None:
     if cfg.loss.name != "proxy_anchor":
         raise ConfigError(f"model.method=vptsp_g trains with Proxy-Anchor against its semantic proxies; set "
                           f"loss.name=proxy_anchor (got {cfg.loss.name!r})")
+    refuse_data_init(cfg, head=False, proxies=True)  # its proxies are generated, not learned per class
 
 
 VPTSP_G = Method(name="vptsp_g", build=build,

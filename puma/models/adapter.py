@@ -10,9 +10,10 @@ stochasticity is the per-sample keep mask. With ``model.adapter.layer_scale`` th
 multiplied by its sub-block's LayerScale (``ls1`` / ``ls2``), so an adapter's update is measured
 against its sub-block's own: the same thing on ViTs without LayerScale (the paper's ViT-S/16), but
 on DINOv2 (LayerScale 0.1-0.3 in the first blocks, 2-7 in the last) it keeps the early adapters
-from dominating their blocks (``bench/recipe_lab.py`` shows it; see docs/recipe.md). The block keeps its class's weights and state-dict keys
-(``AdaptedBlock`` only adds the two adapter submodules and a forward), so pretrained weights still
-load strict into the plain keys.
+from dominating their blocks (``bench/recipe_lab.py`` shows it; see docs/recipe.md).
+
+The block keeps its class's weights and state-dict keys (``AdaptedBlock`` only adds the two adapter
+submodules and a forward), so pretrained weights still load strict into the plain keys.
 """
 
 from __future__ import annotations

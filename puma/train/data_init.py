@@ -42,12 +42,17 @@ def _features(model: nn.Module, batches: Iterable[dict], device: torch.device,
     return torch.cat(feats), torch.cat(labels)
 
 
+def needs_data_init(cfg) -> bool:
+    """Whether ``cfg`` asks for a data-driven start (PCA head or centroid proxies)."""
+    return cfg.model.head.init == "pca" or cfg.loss.proxy_init == "centroids"
+
+
 def init_from_data(model: nn.Module, loss: nn.Module, batches: Iterable[dict], device: torch.device,
                    labels_of: Callable[[dict], np.ndarray], head: bool, proxies: bool,
                    reduce: Reduce = _no_reduce) -> dict[str, float]:
     """PCA head and/or centroid proxies from one pass over ``batches``; returns what was done."""
     feats, labels = _features(model, batches, device, labels_of)
-    out: dict[str, float] = {"init/images": float(len(labels))}
+    out: dict[str, float] = {}
     if head:
         moments = FeatureMoments(feats.shape[1])
         moments.add(feats)

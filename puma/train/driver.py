@@ -14,6 +14,7 @@ from puma import storage
 from puma.checkpoint import BEST_DIR, META_FILE
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.methods import METHODS, check_config, get_method
+from puma.train.data_init import needs_data_init
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
 
 
@@ -76,7 +77,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     else:
         info["eval_skipped"] = (f"no labeled {cfg.train.eval_split} classes in {manifest.uri} (datasets "
                                 f"{manifest.select(cfg.data.datasets)}): evaluation needs labels")
-    if get_method(cfg.model.method).needs_train_eval:
+    if get_method(cfg.model.method).needs_train_eval or needs_data_init(cfg):
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
 

@@ -24,11 +24,13 @@ from puma.checkpoint import (
     save_checkpoint,
 )
 from puma.config import Config, from_dict, to_dict
+from puma.distributed import sum_over_ranks
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
 from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
+from puma.train.data_init import init_from_data, needs_data_init
 from puma.train.step import train_step
 
 TRAIN_EVAL = "train_eval"  # the training images in the eval view, for methods that cluster them
@@ -59,6 +61,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     optimizer = build_optimizer(trainable_parameter_groups(model), loss, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
     state, optimizer_state = _maybe_resume(module, scheduler)
+    if state.step == 0 and needs_data_init(cfg):
+        _init_from_data(cfg, model, loss, device, loop_config["label_map"])
     module = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={"broadcast_buffers": False})
     if optimizer_state is not None:  # after prepare_model: the state follows the parameters' device
         optimizer.load_state_dict(optimizer_state)
@@ -100,6 +104,24 @@ def _maybe_resume(module: TrainModule, scheduler) -> tuple[RunState, dict | None
     state.resumes += 1
     _log(f"resumed from {checkpoint.path} after epoch {state.epoch} (step {state.step})")
     return state, ckpt.optimizer
+
+
+def _init_from_data(cfg: Config, model, loss, device, label_map: dict[str, int]) -> None:
+    """PCA head and/or centroid proxies from one pass over the training images (eval view)."""
+    def global_labels(batch: dict) -> np.ndarray:  # (dataset, label within it) -> training class id
+        pairs = zip(batch["dataset"], batch["label"], strict=True)
+        return np.array([label_map[f"{d}/{c}"] for d, c in pairs])
+
+    done = init_from_data(model.to(device), loss.to(device),
+                          _batches(TRAIN_EVAL, cfg.eval.batch_size, drop_last=False), device, global_labels,
+                          head=cfg.model.head.init == "pca", proxies=cfg.loss.proxy_init == "centroids",
+                          reduce=sum_over_ranks)
+    parts = []
+    if "init/images" in done:
+        parts.append(f"PCA head from {int(done['init/images'])} images")
+    if "init/proxies" in done:
+        parts.append(f"proxies at the centroids of {int(done['init/proxies'])} classes")
+    _log("initialised from the training data: " + ", ".join(parts))
 
 
 def _batches(split: str, batch_size: int, drop_last: bool, **options):
