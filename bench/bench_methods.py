@@ -1,24 +1,19 @@
-"""Method comparison on the embedded default's multi-domain sample data, same budget for every method.
+"""Method comparison over seeds on the embedded default's data: one budget, each method's own lr.
 
-Trains each method through the same code path as ``jobs/train.py`` (Ray Train, the demo's data,
-offline DINOv2 ViT-S/14 at the demo's image size), each with the same number of epochs, steps and
-batch size, evaluates once at the end, and prints per-dataset, unified and harmonic R@1 side by
-side. Zero-shot is the frozen backbone's own features (the runs' shared 'before' evaluation).
+Every method trains through jobs/train.py's code path (Ray Train, configs/demo.yaml's data, offline
+backbone, recipe and budget) once per seed, with its own base learning rate from
+bench/method_lr.yaml (each found by tune/sweep.py on validation classes, never the test split), and
+is evaluated once at the end on the test split. Zero-shot is the frozen backbone's own features.
 
-    .venv/bin/python bench/bench_methods.py                          # every method, default budget
-    .venv/bin/python bench/bench_methods.py --methods linear puma --steps 40
-    .venv/bin/python bench/bench_methods.py --table-only              # print the stored results
+    .venv/bin/python bench/bench_methods.py                       # the 9 methods x 3 seeds (hours)
+    .venv/bin/python bench/bench_methods.py --methods linear puma --seeds 0
+    .venv/bin/python bench/bench_methods.py --table-only           # the table of stored results
 
-Each method's metrics are stored as ``<out>/<budget>/<method>.json`` as soon as it finishes, so an
-interrupted comparison continues where it stopped and methods can be added later under the same
-budget (``--force`` re-trains). A method whose config does not build (e.g. not implemented in this
-checkout) is reported as such, never silently left out.
-
-Per-method settings: ``configs/methods/<method>.yaml`` when it exists (its model section without
-the backbone, its loss, its optimiser group multipliers ``optim.*_lr_mult`` and any method
-sections, layered over configs/demo.yaml), else the overrides below.
-Every method uses the demo's base learning rate (2e-5) except full fine-tuning, which keeps the
-paper's ratio between full fine-tuning and parameter-efficient rates (3e-5 / 1e-4 = 0.3).
+Prints per-dataset, unified and harmonic R@1 and MAP@R as mean +- std over seeds (population std;
+n in the header), trainable parameters and training seconds; writes bench/results/methods.json and
+methods.md. Each (method, seed) is stored under ``--out`` as soon as it finishes, so an interrupted
+comparison continues where it stopped (``--force`` re-trains). A method that fails is reported as
+such in the table, never silently left out.
 """
 
 from __future__ import annotations
@@ -30,175 +25,201 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.record import record  # noqa: E402
 from puma import storage  # noqa: E402
-from puma.config import ConfigError, load_config  # noqa: E402
+from puma.config import Config  # noqa: E402
+from puma.methods import load_config  # noqa: E402
 
 DEMO = ROOT / "configs" / "demo.yaml"
-METHOD_CONFIGS = ROOT / "configs" / "methods"
-FULL_FT_LR_RATIO = 0.3  # paper appendix A: 3e-5 for full fine-tuning against 1e-4
+METHOD_LR = ROOT / "bench" / "method_lr.yaml"
 ZERO_SHOT = "zero_shot"
-# method name in the table -> model.method (and extra overrides)
+# name in the table -> overrides on top of configs/demo.yaml (the paper's Table 2(c) rows)
 METHODS: dict[str, list[str]] = {
     ZERO_SHOT: [],
     "linear": ["model.method=linear"],
-    "static_adapter": ["model.method=adaptformer"],
+    "mlp3": ["model.method=mlp3", "model.head.init=random"],  # PCA init is for the linear head
+    "static_adapter": ["model.method=puma", "model.adapter.keep_prob=1.0"],  # PUMA with p = 1
+    "vpt": ["model.method=vpt_deep"],
+    "lora": ["model.method=lora"],
+    "adaptformer": ["model.method=adaptformer"],  # static adapters, no prompt pool
     "full_finetune": ["model.method=full_finetune"],
-    "vptsp_g": ["model.method=vptsp_g"],
-    "udml_ss": ["model.method=udml_ss"],
     "puma": ["model.method=puma"],
 }
-KEEP_FROM_METHOD_FILE = ("model", "loss")  # plus any section the demo does not set for training
-DEMO_OWNED = ("data", "train", "storage", "eval", "index", "sweep", "optim", "embed")
+EXTRA: dict[str, list[str]] = {  # the sibling methods, not in the default comparison; run them by name
+    "vptsp_g": ["model.method=vptsp_g", "loss.name=proxy_anchor", "loss.proxy_init=random"],
+    "udml_ss": ["model.method=udml_ss", "model.head.init=random", "loss.proxy_init=random"],
+}
+KEYS = ("r@1", "map@r")
 
 
-def method_layer(name: str) -> dict:
-    """The method's settings from configs/methods/<name>.yaml (model without backbone, loss, ...)."""
-    path = METHOD_CONFIGS / f"{name}.yaml"
-    if not path.is_file():
-        return {}
-    data = yaml.safe_load(path.read_text()) or {}
-    layer = {k: v for k, v in data.items() if k not in DEMO_OWNED}
-    if isinstance(layer.get("model"), dict):
-        layer["model"] = {k: v for k, v in layer["model"].items() if k != "backbone"}
-    mults = {k: v for k, v in (data.get("optim") or {}).items() if k.endswith("_lr_mult")}
-    if mults:  # the method's own ratios between its groups; the base rate and schedule are the budget's
-        layer["optim"] = mults
-    return layer
+def method_lrs() -> dict[str, float]:
+    """Each method's base learning rate (bench/method_lr.yaml)."""
+    data = yaml.safe_load(METHOD_LR.read_text()) or {}
+    return {name: float(entry["lr"]) for name, entry in data.get("methods", {}).items()}
 
 
-def method_config(name: str, args: argparse.Namespace, budget_dir: str):
-    """demo.yaml <- method file <- method overrides <- the shared budget."""
-    demo = yaml.safe_load(DEMO.read_text())
-    cfg = load_config(DEMO, None)
-    lr = cfg.optim.lr * (FULL_FT_LR_RATIO if name == "full_finetune" else 1.0)
-    budget = [f"train.epochs={args.epochs}", f"train.max_steps_per_epoch={args.steps}",
-              f"train.batch_size={args.batch}", f"train.eval_every={args.epochs}",
-              f"train.seed={args.seed}", f"train.run_name=bench-{name}", f"train.storage_path={budget_dir}",
-              f"optim.lr={lr}", f"model.backbone.img_size={args.img_size}"]
-    layered = _merge(demo, method_layer(name))
-    tmp = Path(budget_dir) / f"{name}.config.yaml"
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(yaml.safe_dump(layered))
-    return load_config(tmp, METHODS[name] + budget)
+def method_config(name: str, seed: int, out: Path, args: argparse.Namespace) -> Config:
+    """configs/demo.yaml <- the method's overrides <- its lr <- this seed's run under ``out``."""
+    overrides = list({**METHODS, **EXTRA}[name])
+    lrs = method_lrs()
+    if name in lrs:
+        overrides.append(f"optim.lr={lrs[name]}")
+    overrides += [f"train.seed={seed}", f"train.run_name={name}-seed{seed}",
+                  f"train.storage_path={out / 'runs'}"]
+    if args.epochs:
+        overrides.append(f"train.epochs={args.epochs}")
+    if args.steps:
+        overrides.append(f"train.max_steps_per_epoch={args.steps}")
+    overrides += args.overrides
+    return load_config(DEMO, overrides)
 
 
-def _merge(base: dict, layer: dict) -> dict:
-    out = dict(base)
-    for key, value in layer.items():
-        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merge(out[key], value) if nested else value
-    return out
+def trainable_parameters(cfg: Config) -> int:
+    """Trainable scalars of the model (the loss's proxies are counted apart, as in the paper)."""
+    from puma.methods import build_model
+    from puma.models.trainable import count_trainable
+
+    return count_trainable(build_model(cfg.model))
 
 
-def run_method(name: str, args: argparse.Namespace, budget_dir: str, need_zero_shot: bool) -> dict:
-    """Train one method under the budget; returns its final metrics (plus before/ when evaluated)."""
-    from puma.methods import METHODS as BUILT
+def run_one(name: str, seed: int, out: Path, args: argparse.Namespace, need_zero_shot: bool) -> dict:
+    """Train one method with one seed; returns its final metrics (plus before/ when evaluated)."""
     from puma.train.driver import run_training
 
-    cfg = method_config(name, args, budget_dir)
-    if cfg.model.method not in BUILT:
-        raise ConfigError(f"model.method={cfg.model.method!r} is not built in this checkout; "
-                          f"known: {sorted(BUILT)}")
+    cfg = method_config(name, seed, out, args)
+    cfg.train.eval_every = cfg.train.epochs  # evaluate once, at the end
     cfg.train.eval_before = need_zero_shot
+    storage.delete(str(out / "runs" / f"{name}-seed{seed}"))  # a stale run must not resume
     start = time.perf_counter()
     outcome = run_training(cfg)
     metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, (int, float))}
     metrics["bench/seconds"] = time.perf_counter() - start
+    metrics["bench/trainable"] = trainable_parameters(cfg)
+    metrics["bench/lr"] = cfg.optim.lr
     return metrics
 
 
-def budget_name(args: argparse.Namespace) -> str:
-    return f"e{args.epochs}-s{args.steps}-b{args.batch}-px{args.img_size}-seed{args.seed}"
+def result_path(out: Path, name: str, seed: int) -> Path:
+    return out / name / f"seed{seed}.json"
 
 
-def load_results(folder: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+def load_results(out: Path, names: list[str], seeds: list[int]) -> dict[str, list[dict]]:
+    """Stored results per method (a list over the seeds found)."""
+    found: dict[str, list[dict]] = {}
+    for name in names:
+        runs = [json.loads(p.read_text()) for s in seeds if (p := result_path(out, name, s)).is_file()]
+        if name == ZERO_SHOT and (out / ZERO_SHOT / "metrics.json").is_file():
+            runs = [json.loads((out / ZERO_SHOT / "metrics.json").read_text())]
+        if runs:
+            found[name] = runs
+    return found
 
 
-def table(results: dict[str, dict], key: str = "r@1") -> str:
-    """Rows: datasets, unified, harmonic; columns: methods in METHODS order."""
-    cols = [m for m in METHODS if m in results]
-    found = {k.split("/")[0] for r in results.values() for k in r
-             if k.endswith(f"/{key}") and k.count("/") == 1}
-    names = sorted(found - {"unified", "harmonic", "best", "before"})
-    lines = [f"| {key} | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for row in [*names, "unified", "harmonic"]:
-        cells = [_cell(results[m], f"{row}/{key}") for m in cols]
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    seconds = [_cell(results[m], "bench/seconds", "{:.0f}") for m in cols]
-    lines.append("| seconds | " + " | ".join(seconds) + " |")
+def summarise(results: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
+    """method -> metric -> {mean, std, n}; failed runs are listed under "errors"."""
+    out: dict[str, dict] = {}
+    for name, runs in results.items():
+        good = [r for r in runs if "error" not in r]
+        keys = sorted({k for r in good for k in r if not k.startswith(("before/", "best/"))})
+        out[name] = {k: _stats([r[k] for r in good if k in r]) for k in keys}
+        out[name]["errors"] = [r["error"] for r in runs if "error" in r]
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    array = np.asarray(values, dtype=np.float64)
+    return {"mean": float(array.mean()), "std": float(array.std()), "n": len(values)}
+
+
+def table(summary: dict[str, dict], names: list[str]) -> str:
+    """Markdown: a block per metric (datasets, unified, harmonic) plus parameters and seconds."""
+    cols = [n for n in names if n in summary]
+    datasets = sorted({k.split("/")[0] for s in summary.values() for k in s if k.count("/") == 1
+                       and k.endswith("/r@1")} - {"unified", "harmonic", "bench", "train"})
+    lines = ["| metric | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for key in KEYS:
+        for row in [*datasets, "unified", "harmonic"]:
+            cells = [_cell(summary[m], f"{row}/{key}") for m in cols]
+            lines.append(f"| {row} {key} | " + " | ".join(cells) + " |")
+    for label, key, fmt, spread in (("trainable params", "bench/trainable", "{:,.0f}", False),
+                                    ("lr", "bench/lr", "{:.1e}", False),
+                                    ("seconds", "bench/seconds", "{:.0f}", True)):
+        lines.append(f"| {label} | " + " | ".join(_cell(summary[m], key, fmt, spread) for m in cols) + " |")
+    lines.append("| seeds | " + " | ".join(str(_n(summary[m])) for m in cols) + " |")
     return "\n".join(lines)
 
 
-def _cell(result: dict, key: str, fmt: str = "{:.4f}") -> str:
-    if "error" in result:
-        return "n/a"
-    value = result.get(key)
-    return "-" if value is None else fmt.format(value)
+def _n(entry: dict) -> int:
+    return max((v["n"] for k, v in entry.items() if k != "errors"), default=0)
+
+
+def _cell(entry: dict, key: str, fmt: str = "{:.4f}", spread: bool = True) -> str:
+    if key not in entry:
+        return "n/a" if entry.get("errors") else "-"
+    value = entry[key]
+    text = fmt.format(value["mean"])
+    return f"{text} ± {fmt.format(value['std'])}" if spread and value["n"] > 1 else text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30, help="training steps per epoch")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--img-size", type=int, default=112)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *EXTRA])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=0, help="override the demo's epochs (0: keep)")
+    parser.add_argument("--steps", type=int, default=0, help="cap steps per epoch (0: whole epochs)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench" / "methods"))
+    parser.add_argument("--name", default="methods", help="results file stem under bench/results/")
     parser.add_argument("--force", action="store_true", help="re-train methods that have results")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every method")
     args = parser.parse_args(argv)
-    folder = Path(args.out) / budget_name(args)
-    folder.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
     if not args.table_only:
-        _run_all(args, folder)
-    results = load_results(folder)
-    text = table(results)
-    print(f"\nsame budget for every method: {budget_name(args)} (epochs-steps-batch-image size-seed)")
+        _run_all(args, out)
+    results = load_results(out, args.methods, args.seeds)
+    summary = summarise(results)
+    text = table(summary, args.methods)
     print(text)
-    (folder / "table.md").write_text(text + "\n")
-    for name, result in results.items():
-        if "error" in result:
-            print(f"{name}: not run: {result['error']}")
-    print(f"[bench] results: {folder}")
+    notes = [f"{m}: {e}" for m, s in summary.items() for e in s["errors"]]
+    record(args.name, {"summary": summary, "runs": results, "seeds": args.seeds, "notes": notes},
+           text + ("\n\n" + "\n".join(f"- failed: {n}" for n in notes) if notes else ""),
+           title="Methods on the demo data: mean ± std over seeds (test split)")
     return 0
 
 
-def _run_all(args: argparse.Namespace, folder: Path) -> None:
+def _run_all(args: argparse.Namespace, out: Path) -> None:
     from puma.runtime import init_ray
 
     storage.configure(load_config(DEMO).storage)
     print(f"[bench] Ray: {init_ray()}", flush=True)
-    done = load_results(folder)
-    for name in [m for m in args.methods if m != ZERO_SHOT]:
-        if name in done and "error" not in done[name] and not args.force:
-            print(f"[bench] {name}: stored result kept (--force re-trains)")
-            continue
-        need_zero_shot = ZERO_SHOT not in done
-        if args.force:  # else a stale, unfinished run of this budget resumes where it stopped
-            storage.delete(str(folder / "runs" / f"bench-{name}"))
-        try:
-            metrics = run_method(name, args, str(folder / "runs"), need_zero_shot)
-        except ConfigError as exc:  # the method is not available in this checkout
-            metrics = {"error": f"{type(exc).__name__}: {exc}"}
-        except Exception as exc:  # noqa: BLE001 - report a failed method in the table, go on
-            traceback.print_exc()
-            metrics = {"error": f"{type(exc).__name__}: {exc}"}
-        if need_zero_shot and "error" not in metrics:
-            zero = {k[len("before/"):]: v for k, v in metrics.items() if k.startswith("before/")}
-            (folder / f"{ZERO_SHOT}.json").write_text(json.dumps(zero, indent=1, sort_keys=True))
-            done[ZERO_SHOT] = zero
-        (folder / f"{name}.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-        done[name] = metrics
-        print(f"[bench] {name}: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())
-                                              if isinstance(v, float) and k.endswith("/r@1")
-                                              and not k.startswith(("before/", "best/"))), flush=True)
+    for seed in args.seeds:
+        for name in [m for m in args.methods if m != ZERO_SHOT]:
+            path = result_path(out, name, seed)
+            if path.is_file() and "error" not in json.loads(path.read_text()) and not args.force:
+                continue
+            need_zero_shot = not (out / ZERO_SHOT / "metrics.json").is_file()
+            try:
+                metrics = run_one(name, seed, out, args, need_zero_shot)
+            except Exception as exc:  # noqa: BLE001 - report a failed method in the table, go on
+                traceback.print_exc()
+                metrics = {"error": f"{type(exc).__name__}: {exc}"}
+            if need_zero_shot and "error" not in metrics:
+                zero = {k[len("before/"):]: v for k, v in metrics.items() if k.startswith("before/")}
+                _store(out / ZERO_SHOT / "metrics.json", {**zero, "bench/trainable": 0})
+            _store(path, metrics)
+            harmonic = metrics.get("harmonic/r@1", float("nan"))
+            print(f"[bench] {name} seed {seed}: harmonic r@1 {harmonic:.4f}", flush=True)
+
+
+def _store(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":

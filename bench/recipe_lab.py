@@ -115,8 +115,10 @@ class Probe:
                 module.register_forward_hook(self._adapter)
         for i, block in enumerate(model.backbone.blocks):
             if hasattr(block, "adapter_attn"):
-                for name in ("ls1", "ls2", "adapter_attn", "adapter_mlp"):
-                    getattr(block, name).register_forward_hook(self._norm_hook(i, name))
+                parts = (("ls1", None), ("ls2", None), ("adapter_attn", "ls1"), ("adapter_mlp", "ls2"))
+                for name, scale in parts:
+                    scale = getattr(block, scale) if scale and block.adapter_layer_scale else None
+                    getattr(block, name).register_forward_hook(self._norm_hook(i, name, scale))
         pool = getattr(model, "prompt_pool", None)
         if pool is not None:
             pool.register_forward_hook(self._pool)
@@ -124,9 +126,10 @@ class Probe:
     def _adapter(self, module, inputs, output) -> None:
         self.ratios.append(float(output.detach().norm() / inputs[0].detach().norm().clamp_min(1e-12)))
 
-    def _norm_hook(self, i: int, name: str):
-        def hook(module, inputs, output) -> None:
-            self.block_norms.setdefault((i, name), []).append(float(output.detach().norm()))
+    def _norm_hook(self, i: int, name: str, scale=None):
+        def hook(module, inputs, output) -> None:  # the update as it enters the residual stream
+            update = scale(output.detach()) if scale is not None else output.detach()
+            self.block_norms.setdefault((i, name), []).append(float(update.norm()))
         return hook
 
     def _pool(self, module, inputs, output) -> None:
@@ -144,7 +147,8 @@ class Probe:
         blocks = sorted({i for i, _ in self.block_norms})
         for i in blocks:  # adapter output / the sub-block's own (LayerScaled) update, MSA and MLP summed
             own = np.mean(self.block_norms[(i, "ls1")]) + np.mean(self.block_norms[(i, "ls2")])
-            adapter = np.mean(self.block_norms[(i, "adapter_attn")]) + np.mean(self.block_norms[(i, "adapter_mlp")])
+            adapter = (np.mean(self.block_norms[(i, "adapter_attn")])
+                       + np.mean(self.block_norms[(i, "adapter_mlp")]))
             out[f"adapter_vs_block/{i}"] = float(adapter / max(own, 1e-12))
         self.ratios, self.alpha, self.block_norms = [], [], {}
         return out
@@ -212,7 +216,8 @@ def run(args) -> dict:
     mean, std = backbone_normalisation(cfg)
     size = cfg.model.backbone.img_size
     ev_images = eval_arrays(ev, ViewSpec(size, mean, std, train=False))
-    train_labels = np.array([label_map[(d, c)] for d, c in zip(train["dataset"], train["label"])])
+    pairs = zip(train["dataset"], train["label"], strict=True)
+    train_labels = np.array([label_map[(d, c)] for d, c in pairs])
     model = build_model(cfg.model)
     method = build_method_training(cfg, model, len(label_map))
     module = method.module
@@ -227,7 +232,8 @@ def run(args) -> dict:
                               head=cfg.model.head.init == "pca", proxies=cfg.loss.proxy_init == "centroids")
         print(f"[lab] data init: {done}", flush=True)
     init_stats = evaluate(model, ev_images, ev)
-    print(f"[lab] zero-shot {zs['harmonic/r@1']:.4f}, step 0 with head {init_stats['harmonic/r@1']:.4f}", flush=True)
+    print(f"[lab] zero-shot {zs['harmonic/r@1']:.4f}, "
+          f"step 0 with head {init_stats['harmonic/r@1']:.4f}", flush=True)
     optimizer = build_optimizer(trainable_parameter_groups(model), module.loss, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
     probe = Probe(model)
@@ -255,8 +261,9 @@ def run(args) -> dict:
                 if step % args.eval_every == 0 or step == args.steps:
                     row.update(evaluate(model, ev_images, ev))
                 curves.append(row)
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
-                                  if "/" not in k or k.endswith("r@1") or k.startswith(("emb/", "adapter_vs"))}), flush=True)
+                shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
+                         if "/" not in k or k.endswith("r@1") or k.startswith(("emb/", "adapter_vs"))}
+                print(json.dumps(shown), flush=True)
             else:
                 probe.pop()
         epoch += 1
