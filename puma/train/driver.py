@@ -11,7 +11,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import storage
-from puma.checkpoint import BEST_DIR, META_FILE
+from puma.checkpoint import BEST_DIR, has_checkpoint
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.methods import METHODS, check_config, get_method
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
@@ -94,9 +94,11 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
 
 
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
-    """Fit PUMA with Ray Train; re-running the same run name resumes from its last checkpoint.
+    """Fit PUMA with Ray Train; re-running the same run name continues from its newest complete
+    checkpoint, and so does a worker group Ray restarts after a lost worker (puma/train/recovery.py).
 
-    ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial.
+    ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial
+    (a trial restored by ``Tuner.restore`` re-runs this with its run name: the same rule applies).
     """
     cfg = absolute_paths(cfg)
     check_config(cfg)  # a config the method cannot train with fails here, before any worker starts
@@ -115,7 +117,7 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     result = trainer.fit()
     last = result.checkpoint.path if result.checkpoint is not None else None
     best = storage.join(uri, BEST_DIR)
-    if last is not None and not storage.exists(storage.join(best, META_FILE)):
+    if last is not None and not has_checkpoint(best):
         best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result
     return TrainOutcome(run_uri=uri, best_checkpoint=best,
                         last_checkpoint=last, metrics=dict(result.metrics or {}))
