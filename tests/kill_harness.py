@@ -87,15 +87,14 @@ class Watcher:
             self.events.append(Event(time.monotonic(), folder.name, int(state.meta["epoch"]),
                                      int(state.meta["run_state"].get("attempt", 0))))
 
-    def wait_for_new(self, count: int, driver: subprocess.Popen, timeout: float) -> Event:
-        """Block until more than ``count`` events exist; fails if the driver exits first."""
+    def wait_for_new(self, count: int, driver: subprocess.Popen, timeout: float) -> Event | None:
+        """Block until more than ``count`` events exist; None if the driver exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if len(self.events) > count:
                 return self.events[count]
             if driver.poll() is not None:
-                raise AssertionError(f"the driver exited (rc {driver.returncode}) before the checkpoint "
-                                     f"the next kill waits for")
+                return None
             time.sleep(0.01)
         raise AssertionError(f"no new complete checkpoint within {timeout:.0f}s")
 
@@ -142,9 +141,12 @@ class Launcher:
 
     def start(self, config: Path, log: Path) -> subprocess.Popen:
         """``python jobs/train.py --config FILE`` in a session of its own, output to ``log``."""
+        env = dict(self.env)
+        if self.kind == "local":  # a fresh Ray temp dir per driver: nothing shared with a killed one
+            env["PUMA_RAY_TMP"] = os.path.join(self.env["PUMA_RAY_TMP"], log.stem)
         with open(log, "w") as out:
             command = [PYTHON, "jobs/train.py", "--config", str(config)]
-            return subprocess.Popen(command, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
     def kill_driver(self, driver: subprocess.Popen) -> None:
@@ -187,6 +189,8 @@ class Lineage:
     logs: list[Path] = field(default_factory=list)
     returncode: int | None = None
     seconds: float = 0.0
+    start_failures: int = 0  # drivers that died before training started (started again, not kills)
+    records_at_start: int = 0  # attempt records when the current driver started
     timeline: list[tuple[int, int, float]] = field(default_factory=list)  # (epoch, attempt, s from start)
 
     def output(self) -> str:
@@ -199,10 +203,13 @@ def run_lineage(launcher: Launcher, config: Path, run_dir: Path, kills: list[Kil
     rng = rng or random.Random(0)
     start, lineage = time.monotonic(), Lineage()
     watcher = Watcher(run_dir).start()
-    driver = _start(launcher, config, log_dir, lineage)
+    driver = _start(launcher, config, run_dir, log_dir, lineage)
     try:
         for kill in kills:
             event = watcher.wait_for_new(len(watcher.events), driver, timeout)
+            while event is None:  # the driver exited before the checkpoint the kill waits for
+                driver = _restart_failed_start(launcher, config, run_dir, log_dir, lineage, driver)
+                event = watcher.wait_for_new(len(watcher.events), driver, timeout)
             delay = 0.0
             if kill.moment == "mid-epoch":
                 delay = rng.uniform(0.3, 0.7) * _epoch_seconds(watcher.events)
@@ -212,21 +219,38 @@ def run_lineage(launcher: Launcher, config: Path, run_dir: Path, kills: list[Kil
                                   "at_s": round(time.monotonic() - start, 1), "delay_s": round(delay, 3),
                                   "newest_complete": max(e.epoch for e in watcher.events)})
             if kill.target == "driver":
-                driver = _start(launcher, config, log_dir, lineage)
-        lineage.returncode = driver.wait(timeout=timeout)
+                driver = _start(launcher, config, run_dir, log_dir, lineage)
+        while driver.wait(timeout=timeout) != 0:
+            driver = _restart_failed_start(launcher, config, run_dir, log_dir, lineage, driver)
+        lineage.returncode = 0
     finally:
         if driver.poll() is None:
             launcher.kill_driver(driver)
         watcher.stop()
-    lineage.events, lineage.seconds = watcher.events, time.monotonic() - start
-    lineage.timeline = [(e.epoch, e.attempt, round(e.time - start, 1)) for e in watcher.events]
+        lineage.events, lineage.seconds = watcher.events, time.monotonic() - start
+        lineage.timeline = [(e.epoch, e.attempt, round(e.time - start, 1)) for e in watcher.events]
     return lineage
 
 
-def _start(launcher: Launcher, config: Path, log_dir: Path, lineage: Lineage) -> subprocess.Popen:
+def _start(launcher: Launcher, config: Path, run_dir: Path, log_dir: Path,
+           lineage: Lineage) -> subprocess.Popen:
     log = Path(log_dir) / f"driver_{len(lineage.logs) + 1}.log"
     lineage.logs.append(log)
+    lineage.records_at_start = len(attempt_records(run_dir))
     return launcher.start(config, log)
+
+
+def _restart_failed_start(launcher: Launcher, config: Path, run_dir: Path, log_dir: Path, lineage: Lineage,
+                          driver: subprocess.Popen, limit: int = 3) -> subprocess.Popen:
+    """Start again a driver that failed before its training started (no attempt recorded: e.g. its Ray
+    timed out at startup on a loaded machine), at most ``limit`` times; anything else is a failure."""
+    started_training = len(attempt_records(run_dir)) > lineage.records_at_start
+    if started_training or lineage.start_failures >= limit:
+        when = "during training" if started_training else f"at startup {limit + 1} times"
+        raise AssertionError(f"the driver exited with {driver.returncode} {when}:\n"
+                             f"{lineage.logs[-1].read_text(errors='replace')[-3000:]}")
+    lineage.start_failures += 1
+    return _start(launcher, config, run_dir, log_dir, lineage)
 
 
 def _kill(launcher: Launcher, kill: Kill, driver: subprocess.Popen) -> None:
