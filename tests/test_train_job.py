@@ -140,6 +140,37 @@ def test_checkpoint_reloads_and_reproduces_embeddings(ray_cluster, tiny_data, tm
         load_model(outcome.best_checkpoint, backbone_weights=str(other))
 
 
+def test_a_run_on_s3_continues_from_its_newest_complete_checkpoint_when_ray_has_none(
+        ray_cluster, s3_server, s3_storage, tiny_data, tmp_path):
+    """Runs and checkpoints on a real S3 server. After two epochs Ray's snapshot is removed (as if Ray
+    had registered nothing before the driver died); the same run with three epochs must continue
+    after epoch 2 from the folders on S3, and best/ must read through its pointer there."""
+    from puma import storage
+    from puma.checkpoint import best_record
+    from puma.config import load_config
+    from puma.train.driver import run_training
+
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_data, s3_storage, epochs=2)
+    endpoint = [f"storage.endpoint_url={s3_server.endpoint}", "storage.retries=2"]
+    first = run_training(load_config(config, endpoint))
+    run = storage.join(s3_storage, "run")
+    assert first.metrics["epoch"] == 2 and storage.is_s3(first.last_checkpoint)
+    storage.delete(storage.join(run, "checkpoint_manager_snapshot.json"))
+
+    second = run_training(load_config(config, [*endpoint, "train.epochs=3"]))
+
+    assert second.metrics["epoch"] == 3 and second.metrics["run/resumes"] == 1
+    assert second.metrics["run/recomputed_epochs"] == 0
+    history = read_checkpoint(second.last_checkpoint).meta["run_state"]["history"]
+    assert [(h["epoch"], h["attempt"]) for h in history] == [(1, 1), (2, 1), (3, 2)]
+    record = json.loads(storage.read_text(storage.join(run, "attempts", "attempt_0002.json")))
+    assert (record["after_epoch"], record["ray_checkpoint"]) == (2, None)
+    best = best_record(second.best_checkpoint, "harmonic/r@1")
+    values = [h["harmonic/r@1"] for h in history]
+    assert best["epoch"] == history[values.index(max(values))]["epoch"]
+    load_model(second.best_checkpoint)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

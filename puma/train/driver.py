@@ -15,6 +15,7 @@ from puma.checkpoint import BEST_DIR, has_checkpoint
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.methods import METHODS, check_config, get_method
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
+from puma.train.recovery import folder_name
 
 
 @dataclass
@@ -115,7 +116,8 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
         scaling_config=scaling_config(cfg), run_config=run_config(cfg, callbacks), datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]))
     result = trainer.fit()
-    last = result.checkpoint.path if result.checkpoint is not None else None
+    # Ray's path has no scheme on S3 ("bucket/key"): name the folder by the run's own URI instead
+    last = storage.join(uri, folder_name(result.checkpoint.path)) if result.checkpoint is not None else None
     best = storage.join(uri, BEST_DIR)
     if last is not None and not has_checkpoint(best):
         best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result
