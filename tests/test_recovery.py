@@ -161,6 +161,16 @@ def test_a_fresh_run_and_one_with_only_debris_start_at_epoch_one(tmp_path):
     assert recovery.plan_summary(plan)[0].startswith("starting at epoch 1 (attempt 2)")
 
 
+def test_the_newest_complete_checkpoint_of_a_run_skips_damaged_ones(tmp_path):
+    run = str(tmp_path / "run")
+    assert recovery.newest_complete(run) is None
+    for epoch in (1, 2, 3):
+        write(run, epoch)
+    model = Path(run) / recovery.checkpoint_dir_name(3, 1) / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    assert recovery.newest_complete(run).epoch == 2
+
+
 def test_attempts_are_numbered_past_every_record_and_checkpoint(tmp_path):
     run = str(tmp_path / "run")
     write(run, 1, attempt=4)  # an attempt that left a checkpoint but no record

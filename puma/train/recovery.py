@@ -51,6 +51,7 @@ from puma.checkpoint import (
     IncompleteCheckpointError,
     best_record,
     publish_best,
+    read_checkpoint,
     read_meta,
 )
 
@@ -99,6 +100,19 @@ def scan_run(run_uri: str, registered: set[str]) -> list[Found]:
             epoch, attempt = None, 0
         found.append(Found(name, uri, epoch, attempt, name in registered))
     return sorted(found, key=lambda f: (-1 if f.epoch is None else f.epoch, f.attempt, f.name), reverse=True)
+
+
+def newest_complete(run_uri: str) -> Found | None:
+    """The newest checkpoint folder of the run whose files all match their checksums (no probe check)."""
+    for folder in scan_run(run_uri, set()):
+        if folder.epoch is None:
+            continue
+        try:
+            read_checkpoint(folder.uri, with_optimizer=True)
+        except CheckpointError:
+            continue
+        return folder
+    return None
 
 
 @dataclass
