@@ -330,3 +330,7 @@ def test_a_resume_finishes_a_best_write_that_a_crash_cut_off(tmp_path):
     older = tiny_state(1, value=0.3)
     got = recovery.reconcile_best(best, METRIC, 0.3, 1, older, recovery.best_label(1, 4))
     assert (got.value, got.epoch, got.published) == (0.6, 3, False)
+    # best/ whose version folder was removed by hand: reported, and the next evaluated epoch replaces it
+    storage.delete(best_record(best, METRIC)["checkpoint"])
+    got = recovery.reconcile_best(best, METRIC, 0.6, 3, later, recovery.best_label(4, 5))
+    assert (got.value, got.epoch) == (float("-inf"), 0) and "meta.json is missing" in got.unreadable

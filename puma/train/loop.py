@@ -163,6 +163,8 @@ def _reconcile_best(cfg: Config, run_uri: str, state: RunState, ckpt: Checkpoint
     if best.published:
         _log(f"best/ was behind its checkpoint: published epoch {best.epoch} "
              f"({cfg.train.best_metric} {best.value:.4f})")
+    if best.unreadable:
+        _log(f"best/ is unreadable ({best.unreadable}); the next evaluated epoch replaces it")
 
 
 def _batches(split: str, batch_size: int, drop_last: bool, **options):

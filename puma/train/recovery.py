@@ -255,6 +255,7 @@ class Best:
     value: float
     epoch: int
     published: bool = False
+    unreadable: str = ""  # why best/ could not be read (then the next evaluated epoch replaces it)
 
 
 def reconcile_best(best_uri: str, metric: str, best_value: float, best_epoch: int,
@@ -265,12 +266,17 @@ def reconcile_best(best_uri: str, metric: str, best_value: float, best_epoch: in
     checkpoint that names itself the best (``best_epoch`` is its epoch) while best/ holds something
     worse (or nothing) lost a crash between the two writes: it is published now, as ``label``.
     """
-    held = best_record(best_uri, metric)
+    try:
+        held = best_record(best_uri, metric)
+    except CheckpointError as exc:  # e.g. its version folder was removed by hand: nothing to keep
+        held, unreadable = None, " ".join(str(exc).split())
+    else:
+        unreadable = ""
     held_value = held["value"] if held is not None and held["value"] is not None else float("-inf")
     epoch = int(ckpt.meta["epoch"]) if ckpt is not None else 0
     if ckpt is not None and best_epoch == epoch > 0 and best_value > held_value:
         publish_best(best_uri, ckpt, label)
         return Best(best_value, best_epoch, published=True)
     if held is None:
-        return Best(float("-inf"), 0)
+        return Best(float("-inf"), 0, unreadable=unreadable)
     return Best(held_value, int(held["epoch"] or 0))
