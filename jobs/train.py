@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[puma] run directory:   {outcome.run_uri}")
     print(f"[puma] best checkpoint: {outcome.best_checkpoint}")
     print(f"[puma] last checkpoint: {outcome.last_checkpoint}")
+    if "run/resumes" in outcome.metrics:
+        print(f"[puma] recoveries:      {outcome.metrics['run/resumes']} resume(s), "
+              f"{outcome.metrics['run/recomputed_epochs']} epoch(s) trained twice")
     return 0
 
 

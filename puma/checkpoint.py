@@ -6,13 +6,22 @@ Layout::
     loss.safetensors       loss parameters and buffers (proxies, CurricularFace t)
     optimizer.safetensors  optimiser tensors (resume only; optional)
     config.yaml            the resolved Config
-    meta.json              epoch, metrics, label map, library versions, optimiser layout
+    meta.json              epoch, metrics, label map, library versions, optimiser layout, and the
+                           sha256 of every other file ("files"); written last: a checkpoint is
+                           complete when meta.json is present and every file matches its checksum
+
+A run's best checkpoint (``<run>/best``) is replaced atomically on local paths and S3 alike: each
+new best is written to a version folder ``best/<version>/`` and then ``best/current.json`` (one
+object, written in one put or rename) is switched to name it; readers resolve the pointer
+(:func:`resolve_checkpoint`), so ``<run>/best`` always reads as one complete checkpoint, the old
+or the new. A ``best/`` without a pointer (written before versions existed) is read as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +38,17 @@ OPTIM_FILE = "optimizer.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
 BEST_DIR = "best"  # <run>/best: the best checkpoint by train.best_metric
+POINTER_FILE = "current.json"  # best/current.json: which version folder best/ stands for
 # the libraries that shape a checkpoint's meaning (meta.json "versions")
 LIBRARIES = ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or does not match the model built from its config."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint folder whose files are missing, truncated or unreadable (an interrupted write)."""
 
 
 @dataclass
@@ -53,36 +67,90 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(uri: str, state: CheckpointState) -> str:
-    """Write ``state`` under ``uri``; meta.json is written last, so its presence marks completeness."""
+    """Write ``state`` under ``uri``; meta.json (with every file's sha256) last, so it marks completeness."""
     storage.makedirs(uri)
-    storage.write_bytes(storage.join(uri, MODEL_FILE), st_save(_cpu(state.model)))
-    storage.write_bytes(storage.join(uri, LOSS_FILE), st_save(_cpu(state.loss)))
+    files = {MODEL_FILE: st_save(_cpu(state.model)), LOSS_FILE: st_save(_cpu(state.loss))}
     meta = dict(state.meta, versions=library_versions(LIBRARIES))
+    meta.pop("optimizer_layout", None)  # a copy without the optimiser (best/) must not claim one
     if state.optimizer is not None:
         tensors, layout = flatten_optimizer_state(state.optimizer)
-        storage.write_bytes(storage.join(uri, OPTIM_FILE), st_save(tensors))
+        files[OPTIM_FILE] = st_save(tensors)
         meta["optimizer_layout"] = layout
-    storage.write_text(storage.join(uri, CONFIG_FILE), dump_yaml(state.config))
+    files[CONFIG_FILE] = dump_yaml(state.config).encode("utf-8")
+    meta["files"] = {name: storage.sha256(data) for name, data in files.items()}
+    for name, data in files.items():
+        storage.write_bytes(storage.join(uri, name), data)
     storage.write_text(storage.join(uri, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
     return uri
 
 
+def resolve_checkpoint(uri: str) -> str:
+    """The folder holding the checkpoint ``uri`` names: the version its pointer names (best/), or itself."""
+    pointer = storage.join(uri, POINTER_FILE)
+    if not storage.exists(pointer):
+        return uri
+    return storage.join(uri, json.loads(storage.read_text(pointer))["checkpoint"])
+
+
+def has_checkpoint(uri: str) -> bool:
+    """Whether ``uri`` names a checkpoint (a pointer, or a folder with meta.json); not a full check."""
+    return storage.exists(storage.join(uri, POINTER_FILE)) or storage.exists(storage.join(uri, META_FILE))
+
+
+def _incomplete(uri: str, what: str) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(f"{uri} is not a complete PUMA checkpoint: {what}")
+
+
+def read_meta(uri: str) -> dict[str, Any]:
+    """A checkpoint's meta.json (following a best/ pointer); IncompleteCheckpointError when it is missing."""
+    uri = resolve_checkpoint(uri)
+    try:
+        return json.loads(storage.read_text(storage.join(uri, META_FILE)))
+    except FileNotFoundError as exc:
+        raise _incomplete(uri, f"{META_FILE} is missing (expected files: {MODEL_FILE}, {CONFIG_FILE}, "
+                               f"{META_FILE})") from exc
+    except ValueError as exc:
+        raise _incomplete(uri, f"{META_FILE} is unreadable ({exc})") from exc
+
+
+def _read_file(uri: str, name: str, meta: dict) -> bytes:
+    """One file of a checkpoint, checked against the sha256 its meta.json recorded (when it did)."""
+    try:
+        data = storage.read_bytes(storage.join(uri, name))
+    except FileNotFoundError as exc:
+        raise _incomplete(uri, f"{name} is missing") from exc
+    expected = meta.get("files", {}).get(name)
+    if expected is not None and storage.sha256(data) != expected:
+        raise _incomplete(uri, f"{name} ({len(data)} bytes) does not match the sha256 in {META_FILE} "
+                               "(an interrupted write or copy)")
+    return data
+
+
 def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
-    """Read a checkpoint written by :func:`save_checkpoint` (safetensors + YAML + JSON only)."""
-    if not storage.exists(storage.join(uri, META_FILE)):
-        raise CheckpointError(f"{uri} is not a complete PUMA checkpoint: {META_FILE} is missing "
-                              f"(expected files: {MODEL_FILE}, {CONFIG_FILE}, {META_FILE})")
+    """Read a checkpoint written by :func:`save_checkpoint` (safetensors + YAML + JSON only).
+
+    ``uri`` may be a best/ folder with a pointer; every file is checked against its recorded sha256.
+    """
     import yaml
 
-    meta = json.loads(storage.read_text(storage.join(uri, META_FILE)))
-    config = from_dict(yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))))
-    model = st_load(storage.read_bytes(storage.join(uri, MODEL_FILE)))
-    loss = st_load(storage.read_bytes(storage.join(uri, LOSS_FILE)))
+    uri = resolve_checkpoint(uri)
+    meta = read_meta(uri)
+    config = from_dict(yaml.safe_load(_read_file(uri, CONFIG_FILE, meta).decode("utf-8")))
+    model = _tensors(uri, MODEL_FILE, meta)
+    loss = _tensors(uri, LOSS_FILE, meta)
     optimizer = None
     if with_optimizer and "optimizer_layout" in meta:
-        tensors = st_load(storage.read_bytes(storage.join(uri, OPTIM_FILE)))
-        optimizer = unflatten_optimizer_state(tensors, meta["optimizer_layout"])
+        optimizer = unflatten_optimizer_state(_tensors(uri, OPTIM_FILE, meta), meta["optimizer_layout"])
     return CheckpointState(config=config, model=model, loss=loss, optimizer=optimizer, meta=meta)
+
+
+def _tensors(uri: str, name: str, meta: dict) -> dict[str, torch.Tensor]:
+    """A safetensors file of a checkpoint; a truncated one (no checksum to catch it) is incomplete too."""
+    data = _read_file(uri, name, meta)
+    try:
+        return st_load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+        raise _incomplete(uri, f"{name} is unreadable ({exc})") from exc
 
 
 def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -180,6 +248,7 @@ def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     """The model id an index records: ``sha256:`` of the trainable weights (model.safetensors), the
     model config (the backbone weights' location left out) and the probe embeddings (which
     fingerprint the frozen backbone); a copy of a checkpoint keeps its id."""
+    uri = resolve_checkpoint(uri)
     state = state or read_checkpoint(uri)
     model_cfg = to_dict(state.config.model)
     model_cfg["backbone"].pop("weights", None)
@@ -187,6 +256,53 @@ def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     digest.update(json.dumps(model_cfg, sort_keys=True).encode())
     digest.update(json.dumps(state.meta.get("probe"), sort_keys=True).encode())
     return "sha256:" + digest.hexdigest()
+
+
+def best_record(best_uri: str, metric: str) -> dict[str, Any] | None:
+    """What best/ holds, as ``{"checkpoint", "epoch", "value"}`` (``value``: its ``metric``, None when it
+    has none); None when there is no best checkpoint yet."""
+    if not has_checkpoint(best_uri):
+        return None
+    meta = read_meta(best_uri)
+    value = meta.get("metrics", {}).get(metric)
+    return {"checkpoint": resolve_checkpoint(best_uri), "epoch": meta.get("epoch"),
+            "value": None if value is None else float(value)}
+
+
+def publish_best(best_uri: str, state: CheckpointState, label: str) -> str:
+    """Make ``state`` (less its optimiser state) the best checkpoint atomically: write the version folder
+    ``<label>_<random>``,
+    switch best/current.json to it (one put or rename), then remove all but it and the previous one.
+
+    A crash at any moment leaves best/ reading as the old or the new checkpoint, each complete.
+    """
+    previous = _pointer_target(best_uri)
+    version = f"{label}_{secrets.token_hex(4)}"
+    state = CheckpointState(config=state.config, model=state.model, loss=state.loss, meta=state.meta)
+    save_checkpoint(storage.join(best_uri, version), state)
+    record = {"checkpoint": version, "epoch": state.meta.get("epoch"), "previous": previous}
+    storage.write_text(storage.join(best_uri, POINTER_FILE), json.dumps(record, indent=2, sort_keys=True))
+    _remove_stale_versions(best_uri, keep={version, previous})
+    return storage.join(best_uri, version)
+
+
+def _pointer_target(best_uri: str) -> str | None:
+    pointer = storage.join(best_uri, POINTER_FILE)
+    return json.loads(storage.read_text(pointer))["checkpoint"] if storage.exists(pointer) else None
+
+
+def _remove_stale_versions(best_uri: str, keep: set[str | None]) -> None:
+    """Versions other than ``keep``, and files of the pre-pointer layout, once the pointer has moved on.
+
+    The previous version stays, so a reader that resolved the pointer just before the switch can
+    still read it.
+    """
+    for uri in storage.list_dirs(best_uri):
+        if uri.rstrip("/").rsplit("/", 1)[-1] not in keep:
+            storage.delete(uri)
+    for uri in storage.list_files(best_uri, recursive=False):
+        if uri.rsplit("/", 1)[-1] != POINTER_FILE:
+            storage.delete(uri)
 
 
 def best_checkpoint_uri(cfg: Config) -> str:

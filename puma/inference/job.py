@@ -42,6 +42,7 @@ import pyarrow as pa
 
 from puma import storage
 from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
+from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.rejects import read_rejects, reject_counts
@@ -155,6 +156,7 @@ class _Run:
 
 def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -> _Run:
     """The eval view and model id from the checkpoint (its own config), an empty report."""
+    checkpoint = follow_pointer(checkpoint)  # best/ -> its version now: the id and all actors read one model
     state = read_checkpoint(checkpoint)
     model_cfg = state.config
     view = eval_view_spec(model_cfg, min_size=cfg.data.min_image_size)  # the model's view, the job's limit

@@ -11,10 +11,11 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import storage
-from puma.checkpoint import BEST_DIR, META_FILE
+from puma.checkpoint import BEST_DIR, has_checkpoint, read_meta
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.methods import METHODS, check_config, get_method
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
+from puma.train.recovery import folder_name, newest_complete
 
 
 @dataclass
@@ -94,9 +95,11 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
 
 
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
-    """Fit PUMA with Ray Train; re-running the same run name resumes from its last checkpoint.
+    """Fit PUMA with Ray Train; re-running the same run name continues from its newest complete
+    checkpoint, and so does a worker group Ray restarts after a lost worker (puma/train/recovery.py).
 
-    ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial.
+    ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial
+    (a trial restored by ``Tuner.restore`` re-runs this with its run name: the same rule applies).
     """
     cfg = absolute_paths(cfg)
     check_config(cfg)  # a config the method cannot train with fails here, before any worker starts
@@ -113,9 +116,20 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
         scaling_config=scaling_config(cfg), run_config=run_config(cfg, callbacks), datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]))
     result = trainer.fit()
-    last = result.checkpoint.path if result.checkpoint is not None else None
+    last, metrics = _last_checkpoint(uri, result)
     best = storage.join(uri, BEST_DIR)
-    if last is not None and not storage.exists(storage.join(best, META_FILE)):
+    if last is not None and not has_checkpoint(best):
         best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result
-    return TrainOutcome(run_uri=uri, best_checkpoint=best,
-                        last_checkpoint=last, metrics=dict(result.metrics or {}))
+    return TrainOutcome(run_uri=uri, best_checkpoint=best, last_checkpoint=last, metrics=metrics)
+
+
+def _last_checkpoint(uri: str, result) -> tuple[str | None, dict[str, Any]]:
+    """The run's newest complete checkpoint and its metrics: Ray's, unless the run folder holds a newer
+    one (a re-run that found every epoch done reports nothing new, and Ray's may lag storage)."""
+    metrics = dict(result.metrics or {})
+    # Ray's path has no scheme on S3 ("bucket/key"): name the folder by the run's own URI instead
+    last = storage.join(uri, folder_name(result.checkpoint.path)) if result.checkpoint is not None else None
+    newest = newest_complete(uri)
+    if newest is not None and newest.epoch > metrics.get("epoch", 0):
+        return newest.uri, read_meta(newest.uri).get("metrics", {})
+    return last, metrics
