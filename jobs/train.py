@@ -12,9 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Parse, train, print where the outputs went and the before/after table."""
     args, cfg = parse_job_args(job_parser(__doc__.splitlines()[0]), argv)
@@ -34,4 +35,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

@@ -27,6 +27,7 @@ from torch import nn
 
 from puma import storage
 from puma.config import BackboneConfig, ConfigError
+from puma.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".npz")
 OFFLINE_HINT = ("offline, set model.backbone.weights to a .safetensors/.pth/.npz file or URI, e.g. the "
@@ -40,7 +41,7 @@ _RESERVED_KWARGS = ("pretrained", "num_classes", "img_size")
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
 
-class BackboneWeightsError(ValueError):
+class BackboneWeightsError(UserError, ValueError):
     """Backbone weights could not be fetched, read or matched to the model; the message says why."""
 
 
