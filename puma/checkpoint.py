@@ -6,7 +6,8 @@ Layout::
     loss.safetensors       loss parameters and buffers (proxies, CurricularFace t)
     optimizer.safetensors  optimiser tensors (resume only; optional)
     config.yaml            the resolved Config
-    meta.json              epoch, metrics, label map, library versions, optimiser layout
+    meta.json              epoch, metrics, label map, library versions, optimiser layout, sha256 of
+                           each .safetensors file (a file changed after saving is refused)
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
 from puma.config import Config, dump_yaml, from_dict, run_uri, to_dict
+from puma.errors import UserError
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
@@ -33,7 +36,7 @@ BEST_DIR = "best"  # <run>/best: the best checkpoint by train.best_metric
 LIBRARIES = ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, incomplete or does not match the model built from its config."""
 
 
@@ -55,13 +58,17 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save_checkpoint(uri: str, state: CheckpointState) -> str:
     """Write ``state`` under ``uri``; meta.json is written last, so its presence marks completeness."""
     storage.makedirs(uri)
-    storage.write_bytes(storage.join(uri, MODEL_FILE), st_save(_cpu(state.model)))
-    storage.write_bytes(storage.join(uri, LOSS_FILE), st_save(_cpu(state.loss)))
-    meta = dict(state.meta, versions=library_versions(LIBRARIES))
+    weights = {MODEL_FILE: st_save(_cpu(state.model)), LOSS_FILE: st_save(_cpu(state.loss))}
+    for name, data in weights.items():
+        storage.write_bytes(storage.join(uri, name), data)
+    meta = dict(state.meta, versions=library_versions(LIBRARIES),
+                sha256={name: storage.sha256(data) for name, data in weights.items()})
     if state.optimizer is not None:
         tensors, layout = flatten_optimizer_state(state.optimizer)
-        storage.write_bytes(storage.join(uri, OPTIM_FILE), st_save(tensors))
+        data = st_save(tensors)
+        storage.write_bytes(storage.join(uri, OPTIM_FILE), data)
         meta["optimizer_layout"] = layout
+        meta["sha256"][OPTIM_FILE] = storage.sha256(data)
     storage.write_text(storage.join(uri, CONFIG_FILE), dump_yaml(state.config))
     storage.write_text(storage.join(uri, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
     return uri
@@ -72,17 +79,68 @@ def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
     if not storage.exists(storage.join(uri, META_FILE)):
         raise CheckpointError(f"{uri} is not a complete PUMA checkpoint: {META_FILE} is missing "
                               f"(expected files: {MODEL_FILE}, {CONFIG_FILE}, {META_FILE})")
-    import yaml
-
-    meta = json.loads(storage.read_text(storage.join(uri, META_FILE)))
-    config = from_dict(yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))))
-    model = st_load(storage.read_bytes(storage.join(uri, MODEL_FILE)))
-    loss = st_load(storage.read_bytes(storage.join(uri, LOSS_FILE)))
+    meta = _read_meta(uri)
+    config = _read_config(uri)
+    model = read_weights(uri, MODEL_FILE, meta)
+    loss = read_weights(uri, LOSS_FILE, meta)
     optimizer = None
     if with_optimizer and "optimizer_layout" in meta:
-        tensors = st_load(storage.read_bytes(storage.join(uri, OPTIM_FILE)))
+        tensors = read_weights(uri, OPTIM_FILE, meta)
         optimizer = unflatten_optimizer_state(tensors, meta["optimizer_layout"])
     return CheckpointState(config=config, model=model, loss=loss, optimizer=optimizer, meta=meta)
+
+
+def _read_meta(uri: str) -> dict[str, Any]:
+    """meta.json as a dict; an unreadable one is a CheckpointError naming it."""
+    path = storage.join(uri, META_FILE)
+    try:
+        meta = json.loads(storage.read_text(path))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}): the checkpoint is damaged; use another "
+                              "checkpoint (e.g. an earlier checkpoint_* of the run)") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds a {type(meta).__name__}, not a JSON object: the checkpoint is "
+                              "damaged; use another checkpoint")
+    return meta
+
+
+def _read_config(uri: str) -> Config:
+    """config.yaml as a Config; a missing or unreadable one is a CheckpointError naming it."""
+    import yaml
+
+    path = storage.join(uri, CONFIG_FILE)
+    try:
+        return from_dict(yaml.safe_load(storage.read_text(path)) or {})
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is missing: {uri} is not a complete PUMA checkpoint") from exc
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid YAML: the checkpoint is damaged; use another "
+                              "checkpoint") from exc
+
+
+def read_weights(uri: str, name: str, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One safetensors file of a checkpoint; a missing, truncated, corrupt or edited file is refused.
+
+    A checkpoint written since file checksums were recorded (meta.json ``sha256``) must still hold
+    the bytes it was saved with: a file changed afterwards is named as such (truncated or corrupt if
+    it no longer parses, edited if it does), not blamed on the backbone later.
+    """
+    path = storage.join(uri, name)
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is missing: {uri} is not a complete PUMA checkpoint") from exc
+    try:
+        tensors = st_load(data)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is truncated or corrupt ({len(data)} bytes; safetensors: {exc}): use "
+                              "another checkpoint (e.g. an earlier checkpoint_* of the run)") from exc
+    recorded = meta.get("sha256", {}).get(name)
+    if recorded and storage.sha256(data) != recorded:
+        raise CheckpointError(f"{path} was changed after the checkpoint was saved (its sha256 differs from "
+                              f"the one in {META_FILE}): its weights are not the trained ones; restore the "
+                              "file or use another checkpoint")
+    return tensors
 
 
 def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -151,9 +209,13 @@ def verify_probe(model: torch.nn.Module, meta: dict, img_size: int, source: str,
     actual = torch.tensor(probe_embeddings(model, img_size))
     diff = float((expected - actual).abs().max())
     if diff > atol:
+        backbone = meta.get("backbone_weights", "?")
+        cause = (f"the frozen backbone weights ({backbone}) differ from the ones it was trained on; point "
+                 "model.backbone.weights (embed.backbone_weights) at those" if "sha256" in meta else
+                 f"either the frozen backbone weights ({backbone}) differ from the ones it was trained on, "
+                 f"or its own {MODEL_FILE} was changed (this checkpoint predates file checksums)")
         raise CheckpointError(f"checkpoint {source} does not reproduce its embeddings (max diff {diff:.2e} > "
-                              f"{atol:.0e}): the frozen backbone weights "
-                              f"({meta.get('backbone_weights', '?')}) differ from the ones it was trained on")
+                              f"{atol:.0e}): {cause}")
 
 
 def load_model(uri: str, backbone_weights: str | None = None,
