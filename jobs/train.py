@@ -22,9 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from puma.runtime import init_ray
-    from puma.train.driver import run_training
+    from puma.train.driver import check_inputs, run_training
     from puma.train.report import recall_table
 
+    check_inputs(cfg)  # a config or weights file that cannot work fails before Ray starts
     print(f"[puma] Ray: {init_ray()}", flush=True)
     outcome = run_training(cfg)
     print(recall_table(outcome.metrics))

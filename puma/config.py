@@ -636,7 +636,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _read_yaml(path: str | Path) -> dict:
     text = storage.read_text(str(path))
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from exc
     _check(isinstance(data, dict), f"config file {path}: expected a mapping at the top level")
     return data
 

@@ -103,14 +103,24 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
                           f"with a label-free method {label_free} or leave them out with data.datasets")
 
 
+def check_inputs(cfg: Config) -> Config:
+    """What the workers will need, checked on the driver before any of them (or Ray) starts: the
+    method's config checks and the backbone weights file. Returns the config with absolute paths."""
+    from puma.models.backbone import check_weights_file
+
+    cfg = absolute_paths(cfg)
+    check_config(cfg)
+    storage.configure(cfg.storage)
+    check_weights_file(cfg.model.backbone.weights)
+    return cfg
+
+
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     """Fit PUMA with Ray Train; re-running the same run name resumes from its last checkpoint.
 
     ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial.
     """
-    cfg = absolute_paths(cfg)
-    check_config(cfg)  # a config the method cannot train with fails here, before any worker starts
-    storage.configure(cfg.storage)
+    cfg = check_inputs(cfg)  # a config or input the workers cannot use fails here, before any starts
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
     datasets, info = build_datasets(cfg)
     if "eval_skipped" in info and cfg.train.eval_every > 0:
