@@ -42,6 +42,10 @@ _remote_tags: tuple[str, ...] = ("[puma",)  # which of our forwarded worker line
 _verbose = False  # the job's --verbose: Ray's own output and tracebacks of user errors reach the console
 
 
+def _now() -> float:
+    return time.monotonic()
+
+
 def _stream() -> TextIO:
     return sys.stdout
 
@@ -128,14 +132,15 @@ class Progress:
         self.mode = mode or ("events" if emits_events() else "tty" if _is_tty(_stream()) else "plain")
         self.every_s = every_s if every_s is not None else float(os.environ.get(EVERY_ENV, "30"))
         self.done, self.items, self.closed, self.note = 0, 0, False, ""
-        self._start = time.monotonic()
+        self._start = _now()
         self._elapsed: float | None = None  # set by events from a worker (its own clock)
         self._last_out = self._start
+        self._last_line = ""  # the last plain line: a line that would repeat it is left out
 
     @property
     def elapsed(self) -> float:
         """Seconds since the stage started."""
-        return self._elapsed if self._elapsed is not None else time.monotonic() - self._start
+        return self._elapsed if self._elapsed is not None else _now() - self._start
 
     def update(self, n: int = 1, items: int = 0, note: str = "") -> None:
         """Advance by ``n`` units (and ``items``, e.g. images in ``n`` steps); ``note`` (e.g. the loss)
@@ -159,7 +164,7 @@ class Progress:
         self.close()
 
     def _show(self, final: bool = False) -> None:
-        now = time.monotonic()
+        now = _now()
         if self.mode == "off":
             return
         if self.mode == "events":
@@ -171,7 +176,10 @@ class Progress:
             self._show_tty(final, now)
         elif final or now - self._last_out >= self.every_s:
             self._last_out = now
-            write_line(self.plain_line(final))
+            line = self.plain_line(final)
+            if line != self._last_line:
+                self._last_line = line
+                write_line(line)
 
     def _show_tty(self, final: bool, now: float) -> None:
         global _active
