@@ -18,6 +18,7 @@ worker line used to reach the driver twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import TextIO
 
 TAG = "[puma]"
@@ -70,21 +72,19 @@ def emits_events() -> bool:
     return os.environ.get(CONSOLE_ENV) == "events"
 
 
-class outside_bar:  # noqa: N801 - used like a function: ``with outside_bar(): ...``
-    """Clear the status line while others write to the terminal, and draw it again after."""
-
-    def __enter__(self) -> None:
-        _lock.acquire()
-        if _active is not None and _is_tty(_stream()):
+@contextlib.contextmanager
+def outside_bar() -> Iterator[None]:
+    """Clear the status line while someone else writes to the terminal, and draw it again after."""
+    with _lock:
+        drawn = _active if _active is not None and _is_tty(_stream()) else None
+        if drawn is not None:
             _stream().write("\r\x1b[K")
             _stream().flush()
-
-    def __exit__(self, *exc) -> None:
         try:
-            if _active is not None and _is_tty(_stream()):
-                _active.draw()
+            yield
         finally:
-            _lock.release()
+            if drawn is not None and _active is drawn:
+                drawn.draw()
 
 
 def write_line(line: str) -> None:
