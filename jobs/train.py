@@ -12,18 +12,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Parse, train, print where the outputs went and the before/after table."""
     args, cfg = parse_job_args(job_parser(__doc__.splitlines()[0]), argv)
     if cfg is None:
         return 0
     from puma.runtime import init_ray
-    from puma.train.driver import run_training
+    from puma.train.driver import check_inputs, run_training
     from puma.train.report import recall_table
 
+    check_inputs(cfg)  # a config or weights file that cannot work fails before Ray starts
     print(f"[puma] Ray: {init_ray()}", flush=True)
     outcome = run_training(cfg)
     print(recall_table(outcome.metrics))
@@ -37,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
 from puma.config import Config, dump_yaml, from_dict, run_uri, to_dict
+from puma.errors import UserError
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
@@ -43,7 +45,7 @@ POINTER_FILE = "current.json"  # best/current.json: which version folder best/ s
 LIBRARIES = ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, incomplete or does not match the model built from its config."""
 
 
@@ -104,26 +106,47 @@ def _incomplete(uri: str, what: str) -> IncompleteCheckpointError:
 def read_meta(uri: str) -> dict[str, Any]:
     """A checkpoint's meta.json (following a best/ pointer); IncompleteCheckpointError when it is missing."""
     uri = resolve_checkpoint(uri)
+    path = storage.join(uri, META_FILE)
     try:
-        return json.loads(storage.read_text(storage.join(uri, META_FILE)))
+        meta = json.loads(storage.read_text(path))
     except FileNotFoundError as exc:
         raise _incomplete(uri, f"{META_FILE} is missing (expected files: {MODEL_FILE}, {CONFIG_FILE}, "
                                f"{META_FILE})") from exc
-    except ValueError as exc:
-        raise _incomplete(uri, f"{META_FILE} is unreadable ({exc})") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _incomplete(uri, f"{path} is not valid JSON ({exc}): the checkpoint is damaged; use another "
+                               "checkpoint (e.g. an earlier checkpoint_* of the run)") from exc
+    if not isinstance(meta, dict):
+        raise _incomplete(uri, f"{path} holds a {type(meta).__name__}, not a JSON object: the checkpoint "
+                               "is damaged; use another checkpoint")
+    return meta
 
 
 def _read_file(uri: str, name: str, meta: dict) -> bytes:
-    """One file of a checkpoint, checked against the sha256 its meta.json recorded (when it did)."""
+    """One file of a checkpoint (IncompleteCheckpointError when it is missing)."""
     try:
-        data = storage.read_bytes(storage.join(uri, name))
+        return storage.read_bytes(storage.join(uri, name))
     except FileNotFoundError as exc:
         raise _incomplete(uri, f"{name} is missing") from exc
+
+
+def _checksum_error(uri: str, name: str, data: bytes, meta: dict, parses: bool) -> CheckpointError | None:
+    """Why ``data`` is not the file ``name`` was saved as (None when it is, or no checksum was recorded).
+
+    A file that no longer parses was cut short or damaged (an interrupted write or copy); one that
+    parses with other bytes was edited: its weights are not the trained ones, which must not be
+    blamed on the backbone later (verify_probe).
+    """
     expected = meta.get("files", {}).get(name)
-    if expected is not None and storage.sha256(data) != expected:
-        raise _incomplete(uri, f"{name} ({len(data)} bytes) does not match the sha256 in {META_FILE} "
-                               "(an interrupted write or copy)")
-    return data
+    if expected is None or storage.sha256(data) == expected:
+        return None
+    path = storage.join(uri, name)
+    if not parses:
+        return _incomplete(uri, f"{path} is truncated or corrupt ({len(data)} bytes; it does not match the "
+                                f"sha256 in {META_FILE}: an interrupted write or copy): use another "
+                                "checkpoint (e.g. an earlier checkpoint_* of the run)")
+    return _incomplete(uri, f"{path} was changed after the checkpoint was saved (it does not match the "
+                            f"sha256 in {META_FILE}): its weights are not the trained ones; restore the "
+                            "file or use another checkpoint")
 
 
 def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
@@ -131,26 +154,50 @@ def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
 
     ``uri`` may be a best/ folder with a pointer; every file is checked against its recorded sha256.
     """
-    import yaml
-
     uri = resolve_checkpoint(uri)
     meta = read_meta(uri)
-    config = from_dict(yaml.safe_load(_read_file(uri, CONFIG_FILE, meta).decode("utf-8")))
-    model = _tensors(uri, MODEL_FILE, meta)
-    loss = _tensors(uri, LOSS_FILE, meta)
+    config = _read_config(uri, meta)
+    model = read_weights(uri, MODEL_FILE, meta)
+    loss = read_weights(uri, LOSS_FILE, meta)
     optimizer = None
     if with_optimizer and "optimizer_layout" in meta:
-        optimizer = unflatten_optimizer_state(_tensors(uri, OPTIM_FILE, meta), meta["optimizer_layout"])
+        optimizer = unflatten_optimizer_state(read_weights(uri, OPTIM_FILE, meta), meta["optimizer_layout"])
     return CheckpointState(config=config, model=model, loss=loss, optimizer=optimizer, meta=meta)
 
 
-def _tensors(uri: str, name: str, meta: dict) -> dict[str, torch.Tensor]:
-    """A safetensors file of a checkpoint; a truncated one (no checksum to catch it) is incomplete too."""
+def _read_config(uri: str, meta: dict[str, Any]) -> Config:
+    """config.yaml as a Config; a missing, edited or unreadable one is a CheckpointError naming it."""
+    import yaml
+
+    data = _read_file(uri, CONFIG_FILE, meta)
+    error = _checksum_error(uri, CONFIG_FILE, data, meta, parses=True)
+    if error is not None:
+        raise error
+    try:
+        return from_dict(yaml.safe_load(data.decode("utf-8")) or {})
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{storage.join(uri, CONFIG_FILE)} is not valid YAML: the checkpoint is "
+                              "damaged; use another checkpoint") from exc
+
+
+def read_weights(uri: str, name: str, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One safetensors file of a checkpoint; a missing, truncated, corrupt or edited file is refused.
+
+    A checkpoint written since file checksums were recorded (meta.json ``files``) must still hold
+    the bytes it was saved with; a truncated file in an older checkpoint is caught by parsing it.
+    """
     data = _read_file(uri, name, meta)
     try:
-        return st_load(data)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a bad header
-        raise _incomplete(uri, f"{name} is unreadable ({exc})") from exc
+        tensors = st_load(data)
+    except SafetensorError as exc:
+        error = _checksum_error(uri, name, data, meta, parses=False)
+        raise error or _incomplete(uri, f"{storage.join(uri, name)} is truncated or corrupt ({len(data)} "
+                                        f"bytes; safetensors: {exc}): use another checkpoint (e.g. an "
+                                        "earlier checkpoint_* of the run)") from exc
+    error = _checksum_error(uri, name, data, meta, parses=True)
+    if error is not None:
+        raise error
+    return tensors
 
 
 def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -219,9 +266,13 @@ def verify_probe(model: torch.nn.Module, meta: dict, img_size: int, source: str,
     actual = torch.tensor(probe_embeddings(model, img_size))
     diff = float((expected - actual).abs().max())
     if diff > atol:
+        backbone = meta.get("backbone_weights", "?")
+        cause = (f"the frozen backbone weights ({backbone}) differ from the ones it was trained on; point "
+                 "model.backbone.weights (embed.backbone_weights) at those" if "files" in meta else
+                 f"either the frozen backbone weights ({backbone}) differ from the ones it was trained on, "
+                 f"or its own {MODEL_FILE} was changed (this checkpoint predates file checksums)")
         raise CheckpointError(f"checkpoint {source} does not reproduce its embeddings (max diff {diff:.2e} > "
-                              f"{atol:.0e}): the frozen backbone weights "
-                              f"({meta.get('backbone_weights', '?')}) differ from the ones it was trained on")
+                              f"{atol:.0e}): {cause}")
 
 
 def load_model(uri: str, backbone_weights: str | None = None,

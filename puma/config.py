@@ -8,6 +8,7 @@ not a field here is an error everywhere.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -532,8 +533,10 @@ def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
     where = prefix or "config"
-    _check(not unknown, f"unknown key(s) {[_join(prefix, u) for u in unknown]} in {where}; "
-                        f"valid keys: {sorted(_join(prefix, k) for k in types_)}")
+    valid = sorted(_join(prefix, k) for k in types_)
+    _check(not unknown, f"unknown key(s) {[_join(prefix, u) for u in unknown]} in {where}"
+                        f"{_did_you_mean(_join(prefix, unknown[0]), valid) if unknown else ''}; "
+                        f"valid keys: {valid}")
     kwargs = {k: _coerce(_join(prefix, k), v, types_[k]) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -587,14 +590,35 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
     """Set ``data[a][b][c] = value`` for ``key='a.b.c'``; the key must exist in Config."""
     keys = valid_keys()
     if key not in keys:
-        close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
-        hint = f"; did you mean {close}?" if close else "; run with --help-config to list keys"
-        raise ConfigError(f"unknown config key {key!r}{hint}")
+        raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, keys)}; --help-config lists "
+                          "every key")
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
+
+
+def _did_you_mean(key: str, valid: typing.Iterable[str]) -> str:
+    """`` (did you mean 'train.epochs'?)`` naming the closest valid keys (difflib); '' when none is close.
+
+    Keys with the same last part win (``epochs`` -> ``train.epochs``), else keys of the same section
+    spelled alike in their last part (``train.epoch``), else keys spelled alike as a whole.
+    """
+    valid = sorted(valid)
+    leaf = key.rsplit(".", 1)[-1]
+    section = key.rpartition(".")[0]
+    same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
+    whole = difflib.get_close_matches(key, valid, n=3, cutoff=0.75)
+    siblings = {k.rsplit(".", 1)[-1]: k for k in valid if k.rpartition(".")[0] == section}
+    by_leaf = [siblings[m] for m in difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.6)]
+    close = (same_leaf or by_leaf or whole)[:3]
+    return f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
+
+
+def _section_keys(prefix: str, section: dict) -> list[str]:
+    """Dotted names of a config section's keys (YAML merge: what a misspelt key may have meant)."""
+    return [_join(prefix, k) for k in section]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -612,7 +636,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _read_yaml(path: str | Path) -> dict:
     text = storage.read_text(str(path))
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from exc
     _check(isinstance(data, dict), f"config file {path}: expected a mapping at the top level")
     return data
 
@@ -624,7 +651,8 @@ def _merge(dst: dict, src: dict, prefix: str = "") -> None:
         if isinstance(value, dict) and isinstance(dst.get(key), dict) and full not in leaves:
             _merge(dst[key], value, full)
         else:
-            _check(key in dst, f"unknown config key {full!r}; valid keys: {sorted(dst)}")
+            hint = _did_you_mean(full, _section_keys(prefix, dst))
+            _check(key in dst, f"unknown config key {full!r}{hint}; valid keys: {sorted(dst)}")
             dst[key] = value
 
 

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import puma
-from puma import storage
+from puma import console, storage
 from puma.data import schema
 from puma.data.listing import DatasetListing, LayoutError, SourceItem
 from puma.data.manifest import DataNotPreparedError, Manifest, load_manifest, manifest_uri, verify_shards
@@ -66,16 +66,18 @@ def prepare(specs: Sequence[SourceSpec], out_uri: str, shard_rows: int = 2000, p
     old = _old_shards(out_uri)
     report = PrepareReport(manifest=Manifest(out_uri, {}))
     shards, rejects, kept = [], [], []
-    for split in schema.STORED_SPLITS:
-        items = sorted((i for lst in listings for i in lst.items if i.split == split), key=_order_key)
-        for start in range(0, len(items), shard_rows):
-            rows, missing = _read_chunk(items[start:start + shard_rows], read_threads)
-            rejects += missing
-            kept += [(item.dataset, item.label, item.split, item.role) for item, _ in rows]
-            for part in _split_by_bytes(rows, SHARD_MAX_BYTES):
-                index = sum(1 for s in shards if s["split"] == split)
-                shards.append(_write_shard(out_uri, split, index, part, old, report))
-        log(f"[puma.data] {split}: {sum(s['rows'] for s in shards if s['split'] == split):,} rows")
+    total = sum(len(lst.items) for lst in listings)
+    with console.progress("preparing", total, "img", tag="[puma.data]") as bar:
+        for split in schema.STORED_SPLITS:
+            items = sorted((i for lst in listings for i in lst.items if i.split == split), key=_order_key)
+            for start in range(0, len(items), shard_rows):
+                rows, missing = _read_chunk(items[start:start + shard_rows], read_threads, bar)
+                rejects += missing
+                kept += [(item.dataset, item.label, item.split, item.role) for item, _ in rows]
+                for part in _split_by_bytes(rows, SHARD_MAX_BYTES):
+                    index = sum(1 for s in shards if s["split"] == split)
+                    shards.append(_write_shard(out_uri, split, index, part, old, report))
+            log(f"[puma.data] {split}: {sum(s['rows'] for s in shards if s['split'] == split):,} rows")
     data = _manifest_data(spec_dict(preset, specs, shard_rows), listings, shards, kept, rejects)
     write_rejects(storage.join(out_uri, schema.PREPARE_REJECTS_NAME), rejects)
     report.manifest, report.manifest_changed = _commit_manifest(out_uri, data)
@@ -100,11 +102,15 @@ def _order_key(item: SourceItem) -> bytes:
     return hashlib.blake2b(item.item_id.encode(), digest_size=8).digest()
 
 
-def _read_chunk(items: Sequence[SourceItem], threads: int
+def _read_chunk(items: Sequence[SourceItem], threads: int, bar: console.Progress | None = None
                 ) -> tuple[list[tuple[SourceItem, bytes]], list[Reject]]:
     """The bytes of each item (threads for S3); missing or empty files become prepare rejects."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = list(pool.map(_read_item, items))
+        results = []
+        for result in pool.map(_read_item, items):
+            results.append(result)
+            if bar is not None:
+                bar.update()
     rows, rejects = [], []
     for item, (data, reason) in zip(items, results, strict=True):
         if reason:

@@ -141,14 +141,17 @@ class ShardedIndex:
                                   "(or use_gpu=False) to search a subset of its items")
         return mask
 
+    def max_k(self) -> int:
+        """The most neighbours one search returns: every item, or FAISS GPU's limit on a GPU-only index."""
+        gpu_only = self.on_gpu and self._cpu_shards is None
+        return min(self.ntotal, backend.GPU_MAX_K) if gpu_only else self.ntotal
+
     def _check_queries(self, queries: np.ndarray, k: int) -> np.ndarray:
         q = np.asarray(queries)
         if q.ndim != 2 or q.shape[1] != self.dim or not np.issubdtype(q.dtype, np.floating):
             raise IndexInputError(f"queries must be a float (Q, {self.dim}) array, got {q.dtype} {q.shape}")
-        gpu_only = self.on_gpu and self._cpu_shards is None
-        if not 1 <= k <= self.ntotal or (gpu_only and k > backend.GPU_MAX_K):
-            limit = min(self.ntotal, backend.GPU_MAX_K) if gpu_only else self.ntotal
-            raise IndexInputError(f"k must be in [1, {limit}] for this index, got {k}")
+        if not 1 <= k <= self.max_k():
+            raise IndexInputError(f"k must be in [1, {self.max_k()}] for this index, got {k}")
         if not np.isfinite(q).all():
             raise IndexInputError("queries have NaN or Inf values")
         return np.ascontiguousarray(q, dtype=np.float32)
@@ -201,6 +204,10 @@ class ShardedIndex:
                           nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k neighbours of indexed items (their stored embeddings), without the item itself."""
         own = self.lookup(item_ids)  # (n,)
+        most = self.max_k() - int(exclude_self)
+        if not 1 <= k <= most:
+            own_item = "the query item left out" if exclude_self else "the query item included"
+            raise IndexInputError(f"k must be in [1, {most}] for this index ({own_item}), got {k}")
         scores, ids = self.search_ids(self.embeddings(item_ids), k + int(exclude_self), nprobe)
         if exclude_self:
             scores, ids = drop_self(scores, ids, own)

@@ -40,17 +40,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from puma import storage
+from puma import console, storage
 from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
 from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.rejects import read_rejects, reject_counts
+from puma.errors import UserError
 from puma.index import add_items, create_index, indexed_item_ids, plan_index, read_manifest
 from puma.index.build import check_compatible
 from puma.index.manifest import has_manifest
 from puma.index.table import ITEM_ID, embedding_matrix
-from puma.inference.catalogue import catalogue_name, catalogue_refs, check_unique, list_catalogues, without
+from puma.inference.catalogue import (
+    CatalogueError,
+    catalogue_name,
+    catalogue_refs,
+    check_unique,
+    list_catalogues,
+    without,
+)
 from puma.inference.embedder import Embedder, read_and_decode, to_table
 
 log = logging.getLogger(__name__)
@@ -131,7 +139,7 @@ def watch(cfg: Config, prefix: str) -> list[EmbedReport]:
     for catalogue in list_catalogues(prefix):
         try:
             reports.append(embed_catalogue(cfg, catalogue))
-        except ValueError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError
+        except UserError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError, ...
             log.error("catalogue %s failed: %s", catalogue, exc)
             reports.append(EmbedReport(catalogue=catalogue, index_uri=cfg.index.uri, error=str(exc)))
     return reports
@@ -192,15 +200,23 @@ def _embed_todo(run: _Run, todo: pa.Table) -> None:
     init_ray()
     reject_log = _reject_log(run)
     try:
-        if not has_manifest(run.index_uri):
-            todo = _create_index(run, todo, reject_log)
-        if len(todo):
-            _commit_stream(run, _stream(run, todo, reject_log))
+        with console.progress(f"embedding {catalogue_name(run.catalogue)}", len(todo), "img") as bar:
+            if not has_manifest(run.index_uri):
+                todo = _create_index(run, todo, reject_log, bar)
+            if len(todo):
+                _commit_stream(run, _counted(_stream(run, todo, reject_log), bar))
     finally:
         ray.kill(reject_log)  # every decode task has recorded its rejects (ray.get) before returning
 
 
-def _create_index(run: _Run, todo: pa.Table, reject_log) -> pa.Table:
+def _counted(batches: Iterator, bar: console.Progress) -> Iterator:
+    """The batches, each counted on the progress display as it passes."""
+    for batch in batches:
+        bar.update(len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch))
+        yield batch
+
+
+def _create_index(run: _Run, todo: pa.Table, reject_log, bar: console.Progress) -> pa.Table:
     """IVF: embed a seeded sample, train on it and commit it; flat: created by the first commit."""
     expected = run.cfg.embed.expected_items or len(todo)
     plan = plan_index(run.cfg.index, expected, run.dim)
@@ -210,11 +226,11 @@ def _create_index(run: _Run, todo: pa.Table, reject_log) -> pa.Table:
     rows = np.sort(np.random.default_rng(run.cfg.index.seed).choice(
         len(todo), size=min(len(todo), plan.train_sample), replace=False))
     sample = todo.take(pa.array(rows))
-    tables = [to_table(b) for b in _stream(run, sample, reject_log)]
+    tables = [to_table(b) for b in _counted(_stream(run, sample, reject_log), bar)]
     table = pa.concat_tables(tables) if tables else None
     if table is None or len(table) == 0:
-        raise ValueError(f"no image of the training sample of {run.catalogue} could be decoded; "
-                         f"see {run.report.rejects_uri}")
+        raise CatalogueError(f"no image of the training sample of {run.catalogue} could be decoded; "
+                             f"see {run.report.rejects_uri}")
     create_index(run.index_uri, run.cfg.index, embedding_matrix(table), expected_items=expected,
                  model_id=run.model_id)
     _commit_stream(run, iter([table]))

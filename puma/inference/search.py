@@ -52,6 +52,8 @@ class SearchOutcome:
     index_items: int
     index_shards: int
     grid_uri: str = ""  # the retrieval grid PNG, when one was asked for
+    k: int = 0  # neighbours returned per query: the k asked for, or fewer when the index holds fewer
+    k_limit: str = ""  # why k is smaller than asked ('' when it is not)
 
 
 def load_queries(uri: str) -> tuple[list[str], np.ndarray]:
@@ -81,6 +83,7 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
         raise IndexInputError("give exactly one kind of query: a queries file (--queries), item ids "
                               "(--item-id) or image files (--image)")
     index = ShardedIndex.open(cfg.uri, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu, query_chunk=cfg.query_chunk)
+    asked, (k, k_limit) = k, fit_k(index, k, exclude_self=bool(item_ids) and not include_self)
     if item_ids:
         names = list(item_ids)
         scores, found = index.search_by_item_id(names, k, exclude_self=not include_self)
@@ -98,7 +101,22 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
         queries = (indexed_items(index, names) if item_ids
                    else [GridItem(name, name if image_uris else "") for name in names])
         write_grid(grid_uri, retrieval_grid(queries, result_items(index, scores, found)))
-    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards), grid_uri)
+    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards), grid_uri, k,
+                         k_limit if k < asked else "")
+
+
+def fit_k(index: ShardedIndex, k: int, exclude_self: bool) -> tuple[int, str]:
+    """(k to search, why it is less than asked): k larger than what the index can return returns all."""
+    if k < 1:
+        raise IndexInputError(f"--k must be at least 1, got {k}")
+    gpu_limited = index.max_k() < index.ntotal
+    most = index.max_k() - int(exclude_self)
+    if most < 1:
+        raise IndexInputError(f"index {index.uri} holds {index.ntotal} item(s): no other item to return")
+    why = (f"FAISS on GPU returns at most {index.max_k()} neighbours (index.use_gpu=false searches all)"
+           if gpu_limited else f"the index holds {index.ntotal} items"
+           + (", the query item left out" if exclude_self else ""))
+    return min(k, most), why
 
 
 def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str], np.ndarray]:

@@ -69,17 +69,27 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
     datasets = {"train": pipeline.train_dataset(cfg, manifest, label_map, mean, std)}
+    train_rows = pipeline.count_rows(cfg, manifest, "train")
     info: dict[str, Any] = {"num_classes": len(label_map),
-                            "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()}}
+                            "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()},
+                            "steps_per_epoch": steps_per_epoch(cfg, train_rows)}
     if any(len(label_range(manifest, n, cfg.train.eval_split, cfg.data.val_fraction))
            for n in labeled_datasets(manifest, cfg.data.datasets)):
         datasets["eval"] = pipeline.eval_dataset(cfg, manifest, cfg.train.eval_split, mean, std)
+        info["eval_rows"] = pipeline.count_rows(cfg, manifest, cfg.train.eval_split)
     else:
         info["eval_skipped"] = (f"no labeled {cfg.train.eval_split} classes in {manifest.uri} (datasets "
                                 f"{manifest.select(cfg.data.datasets)}): evaluation needs labels")
     if get_method(cfg.model.method).needs_train_eval:
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
+
+
+def steps_per_epoch(cfg: Config, rows: int) -> int:
+    """Optimiser steps of one epoch: each worker's equal share of ``rows`` in full per-worker batches."""
+    per_worker = max(1, cfg.train.batch_size // cfg.train.num_workers)
+    steps = rows // cfg.train.num_workers // per_worker
+    return min(steps, cfg.train.max_steps_per_epoch) if cfg.train.max_steps_per_epoch is not None else steps
 
 
 def check_labels_for_method(cfg: Config, manifest) -> None:
@@ -94,6 +104,18 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
                           f"with a label-free method {label_free} or leave them out with data.datasets")
 
 
+def check_inputs(cfg: Config) -> Config:
+    """What the workers will need, checked on the driver before any of them (or Ray) starts: the
+    method's config checks and the backbone weights file. Returns the config with absolute paths."""
+    from puma.models.backbone import check_weights_file
+
+    cfg = absolute_paths(cfg)
+    check_config(cfg)
+    storage.configure(cfg.storage)
+    check_weights_file(cfg.model.backbone.weights)
+    return cfg
+
+
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     """Fit PUMA with Ray Train; re-running the same run name continues from its newest complete
     checkpoint, and so does a worker group Ray restarts after a lost worker (puma/train/recovery.py).
@@ -101,9 +123,7 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial
     (a trial restored by ``Tuner.restore`` re-runs this with its run name: the same rule applies).
     """
-    cfg = absolute_paths(cfg)
-    check_config(cfg)  # a config the method cannot train with fails here, before any worker starts
-    storage.configure(cfg.storage)
+    cfg = check_inputs(cfg)  # a config or input the workers cannot use fails here, before any starts
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
     datasets, info = build_datasets(cfg)
     if "eval_skipped" in info and cfg.train.eval_every > 0:

@@ -14,7 +14,7 @@ import ray.train.torch
 import torch
 import torch.nn.functional as F
 
-from puma import storage
+from puma import console, storage
 from puma.checkpoint import (
     BEST_DIR,
     CheckpointError,
@@ -71,14 +71,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         optimizer.load_state_dict(optimizer_state)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.train.precision == "fp16" else None
     if not state.before and cfg.train.eval_every > 0 and cfg.train.eval_before:
-        state.before = _evaluate_zero_shot(cfg, device)
+        state.before = _evaluate_zero_shot(cfg, device, loop_config.get("eval_rows"))
     for epoch in range(state.epoch, cfg.train.epochs):
         stats = method.on_epoch_start(epoch, model, device,
                                       lambda: _batches(TRAIN_EVAL, cfg.eval.batch_size, drop_last=False))
-        stats |= _train_epoch(cfg, module, optimizer, scaler, device, epoch, state, method.batch_labels)
+        stats |= _train_epoch(cfg, module, optimizer, scaler, device, epoch, state, method.batch_labels,
+                              loop_config.get("steps_per_epoch"))
         scheduler.step()
         state.epoch = epoch + 1
-        metrics = _epoch_metrics(cfg, module, device, state, stats, optimizer)
+        metrics = _epoch_metrics(cfg, module, device, state, stats, optimizer, loop_config.get("eval_rows"))
         _report(cfg, module, optimizer, scheduler, state, metrics, loop_config, retention)
 
 
@@ -88,7 +89,7 @@ def _is_rank0() -> bool:
 
 def _log(msg: str) -> None:
     if _is_rank0():
-        print(f"[puma] {msg}", flush=True)
+        console.say(msg)  # not print(): Ray Train's print patch would send it to the driver twice
 
 
 def _resume(cfg: Config, module: TrainModule, scheduler,
@@ -173,13 +174,15 @@ def _batches(split: str, batch_size: int, drop_last: bool, **options):
 
 
 def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, state: RunState,
-                 batch_labels) -> dict:
-    """One pass over this worker's shard of the training stream."""
+                 batch_labels, steps: int | None = None) -> dict:
+    """One pass over this worker's shard of the training stream (``steps``: expected, for progress)."""
     world = ray.train.get_context().get_world_size()
     per_worker = max(1, cfg.train.batch_size // world)
     module.train()
     losses, parts, seen, start = [], {}, 0, time.perf_counter()
     from puma.data.pipeline import iter_options
+
+    bar = console.progress(f"epoch {epoch + 1}/{cfg.train.epochs}", steps, "steps", "img", show=_is_rank0())
 
     for i, batch in enumerate(_batches("train", per_worker, drop_last=True, **iter_options(cfg, epoch))):
         if cfg.train.max_steps_per_epoch is not None and i >= cfg.train.max_steps_per_epoch:
@@ -192,24 +195,27 @@ def _train_epoch(cfg: Config, module, optimizer, scaler, device, epoch: int, sta
             parts.setdefault(key, []).append(value)
         seen += len(labels) * world
         state.step += 1
-        if state.step % 10 == 0:
-            _log(f"epoch {epoch + 1} step {state.step} loss {np.mean(losses[-10:]):.4f}")
+        bar.update(1, items=len(labels) * world, note=f"loss {np.mean(losses[-10:]):.4f}")
+    bar.close()
     elapsed = time.perf_counter() - start
     return {**{f"train/{k}": float(np.mean(v)) for k, v in parts.items()},
             "train/loss": float(np.mean(losses)) if losses else float("nan"),
             "train/samples_per_s": seen / elapsed if elapsed > 0 else 0.0, "train/steps": len(losses)}
 
 
-def _evaluate(cfg: Config, embed_fn, device) -> dict[str, float]:
+def _evaluate(cfg: Config, embed_fn, device, label: str = "evaluation",
+              rows: int | None = None) -> dict[str, float]:
     """Per-dataset, unified and harmonic metrics on rank 0 over the full evaluation split."""
     if not _is_rank0():
         return {}
-    embedded = embed_batches(embed_fn, _batches("eval", cfg.eval.batch_size, drop_last=False), device)
+    with console.progress(label, rows, "img") as bar:
+        embedded = embed_batches(embed_fn, _batches("eval", cfg.eval.batch_size, drop_last=False), device,
+                                 on_batch=bar.update)
     return evaluate_embeddings(embedded.embeddings, embedded.labels, embedded.datasets, embedded.roles,
                                ks=cfg.eval.ks, chunk=cfg.eval.query_chunk)
 
 
-def _evaluate_zero_shot(cfg: Config, device) -> dict[str, float]:
+def _evaluate_zero_shot(cfg: Config, device, rows: int | None = None) -> dict[str, float]:
     """The frozen backbone's own features (final-norm CLS, L2-normalised): the 'before' baseline."""
     if not _is_rank0():
         return {}
@@ -218,7 +224,8 @@ def _evaluate_zero_shot(cfg: Config, device) -> dict[str, float]:
     base.model.adapter.enabled = False
     base.model.prompt_pool.enabled = False
     backbone = build_model(base.model).to(device).eval()
-    metrics = _evaluate(cfg, lambda x: F.normalize(backbone.forward_features(x), dim=-1), device)
+    metrics = _evaluate(cfg, lambda x: F.normalize(backbone.forward_features(x), dim=-1), device,
+                        "evaluation (frozen backbone)", rows)
     _log("before training (frozen backbone): " + _summary(metrics))
     return metrics
 
@@ -227,7 +234,8 @@ def _summary(metrics: dict[str, float], key: str = "r@1") -> str:
     return ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if k.endswith(f"/{key}"))
 
 
-def _epoch_metrics(cfg: Config, module, device, state: RunState, stats: dict, optimizer) -> dict:
+def _epoch_metrics(cfg: Config, module, device, state: RunState, stats: dict, optimizer,
+                   eval_rows: int | None = None) -> dict:
     """Training statistics plus evaluation metrics when due."""
     metrics = {"epoch": state.epoch, "step": state.step, **stats,
                "lr/" + optimizer.param_groups[0].get("name", "0"): optimizer.param_groups[0]["lr"]}
@@ -236,7 +244,7 @@ def _epoch_metrics(cfg: Config, module, device, state: RunState, stats: dict, op
     if due:
         model = getattr(module, "module", module).model
         model.eval()
-        evaluated = _evaluate(cfg, model, device)
+        evaluated = _evaluate(cfg, model, device, f"evaluation after epoch {state.epoch}", eval_rows)
         metrics.update(evaluated)
         _log(f"epoch {state.epoch}: loss {stats['train/loss']:.4f}, " + _summary(evaluated))
     return metrics
