@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from puma.config import Config, ConfigError, dump_yaml, valid_keys
+from puma.config import Config, ConfigError, dump_yaml, help_config_lines
 from puma.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +22,8 @@ def job_parser(description: str) -> argparse.ArgumentParser:
                                             "optim.lr=1e-4; --help-config lists every key.")
     parser.add_argument("--config", help="YAML config file (local path or s3://); default: "
                                          f"{DEMO_CONFIG.relative_to(REPO_ROOT)} (the embedded default)")
-    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every config key with its type, default and description, and exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--verbose", action="store_true",
                         help="also show tracebacks of user errors, and library logs where a job has them")
@@ -43,8 +44,7 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> t
     """Parse argv; returns (args, None) when the job should exit early (help printed, bad config)."""
     args = parser.parse_args(argv)
     if args.help_config:
-        for key, tp in valid_keys().items():
-            print(f"{key}: {getattr(tp, '__name__', tp)}")
+        print("\n".join(help_config_lines()))
         return args, None
     try:
         cfg = resolve_config(args)

@@ -22,7 +22,8 @@ PACKAGE = "puma"
 # Lowest first. A unit may import its own modules and any unit of a lower layer; units of one layer
 # are independent of each other. A module belongs to the unit with the longest matching name.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("puma", "puma.errors", "puma.storage", "puma.distributed", "puma.runtime"),  # foundations
+    ("puma.errors",),  # the UserError family: imports nothing
+    ("puma", "puma.storage", "puma.distributed", "puma.runtime"),  # foundations
     ("puma.config",),  # typed config; reads YAML through storage
     ("puma.data", "puma.models", "puma.losses", "puma.optim"),  # building blocks
     ("puma.methods",),  # one record per method: composes models, losses, data (pseudo-labels)
@@ -213,8 +214,8 @@ def test_the_checker_sees_lazy_relative_and_upward_imports(tmp_path):
         "puma.low (line 2, puma.low: layer 0) imports puma.high (puma.high: layer 2), a higher layer"]
 
 
-@pytest.mark.parametrize("module, expected", [("puma.methods.vptsp_g", (3, "puma.methods")),
-                                              ("puma.storage", (0, "puma.storage")),
-                                              ("puma", (0, "puma"))])
+@pytest.mark.parametrize("module, expected", [("puma.methods.vptsp_g", (4, "puma.methods")),
+                                              ("puma.storage", (1, "puma.storage")),
+                                              ("puma", (1, "puma"))])
 def test_units_are_matched_by_their_longest_name(module, expected):
     assert unit_of(module) == expected

@@ -38,12 +38,7 @@ def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
 
 def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfig:
     """Storage (local or S3 through the one storage layer), failure handling, retention."""
-    path = cfg.train.storage_path
-    filesystem = None
-    if storage.is_s3(path):
-        filesystem, path = storage.resolve(path)
-    else:
-        _, path = storage.resolve(path)
+    path, filesystem = storage.ray_storage(cfg.train.storage_path)
     return ray.train.RunConfig(
         name=cfg.train.run_name, storage_path=path, storage_filesystem=filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
@@ -113,7 +108,8 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
         scaling_config=scaling_config(cfg), run_config=run_config(cfg, callbacks), datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]))
     result = trainer.fit()
-    last = result.checkpoint.path if result.checkpoint is not None else None
+    last = storage.display_uri(result.checkpoint.path, result.checkpoint.filesystem) \
+        if result.checkpoint is not None else None
     best = storage.join(uri, BEST_DIR)
     if last is not None and not storage.exists(storage.join(best, META_FILE)):
         best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result

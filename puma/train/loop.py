@@ -96,7 +96,8 @@ def _maybe_resume(module: TrainModule, scheduler) -> tuple[RunState, dict | None
     scheduler.load_state_dict(ckpt.meta["scheduler"])
     state = RunState(**ckpt.meta["run_state"])
     state.resumes += 1
-    _log(f"resumed from {checkpoint.path} after epoch {state.epoch} (step {state.step})")
+    where = storage.display_uri(checkpoint.path, checkpoint.filesystem)
+    _log(f"resumed from {where} after epoch {state.epoch} (step {state.step})")
     return state, ckpt.optimizer
 
 
