@@ -5,7 +5,8 @@ Layout of a prepared root::
     manifest.json                             written last (see puma.data.manifest)
     train/part-00000-<sha12>.parquet ...      rows of split train, shuffled by a hash of item_id
     test/part-00000-<sha12>.parquet ...       rows of split test
-    rejects/prepare.jsonl                     images listed by a release but missing or empty
+    rejects/prepare.jsonl                     images listed by a release but missing, empty, or
+                                              not decodable (corrupt, truncated, too large)
 
 Rows are ordered by a hash of their item id, so every shard mixes datasets (good for local
 shuffles) and the order never depends on listing order. A shard holds at most ``data.shard_rows``
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 import puma
 from puma import storage
 from puma.data import schema
+from puma.data.images import ImageRejected, verify_image
 from puma.data.listing import DatasetListing, LayoutError, SourceItem
 from puma.data.manifest import DataNotPreparedError, Manifest, load_manifest, manifest_uri, verify_shards
 from puma.data.rejects import Reject, write_rejects
@@ -102,14 +104,14 @@ def _order_key(item: SourceItem) -> bytes:
 
 def _read_chunk(items: Sequence[SourceItem], threads: int
                 ) -> tuple[list[tuple[SourceItem, bytes]], list[Reject]]:
-    """The bytes of each item (threads for S3); missing or empty files become prepare rejects."""
+    """The bytes of each item (threads for S3); missing, empty or undecodable files become rejects."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         results = list(pool.map(_read_item, items))
     rows, rejects = [], []
-    for item, (data, reason) in zip(items, results, strict=True):
+    for item, (data, reason, detail) in zip(items, results, strict=True):
         if reason:
             rejects.append(Reject(item.item_id, item.dataset, reason, "prepare", item.source_path,
-                                  item.split))
+                                  item.split, detail))
         else:
             rows.append((item, data))
     return rows, rejects
@@ -127,15 +129,22 @@ def _split_by_bytes(rows: list, max_bytes: int) -> list[list]:
     return groups
 
 
-def _read_item(item: SourceItem) -> tuple[bytes, str]:
-    """(bytes, '') or (b'', reason)."""
+def _read_item(item: SourceItem) -> tuple[bytes, str, str]:
+    """(bytes, '', '') for an image that decodes, else (b'', reason, detail)."""
     if item.data is not None:
-        return item.data, ""
+        data = item.data
+    else:
+        try:
+            data = storage.read_bytes(item.source_path)
+        except FileNotFoundError:
+            return b"", "missing_file", ""
+    if not data:
+        return b"", "empty_file", "0 bytes"
     try:
-        data = storage.read_bytes(item.source_path)
-    except FileNotFoundError:
-        return b"", "missing_file"
-    return (data, "") if data else (b"", "empty_file")
+        verify_image(data)
+    except ImageRejected as exc:
+        return b"", exc.reason, exc.detail
+    return data, "", ""
 
 
 def encode_shard(rows: Sequence[tuple[SourceItem, bytes]]) -> bytes:
