@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or cfg.data.uri
     try:
         specs = job_specs(cfg, preset, args.source, args.name, args.class_depth)
+        storage.preflight(cfg.storage, inputs=[s.uri for s in specs], outputs=[out])
         report = prepare(specs, out, cfg.data.shard_rows, preset=preset)
     except (ValueError, FileNotFoundError) as exc:  # layout errors, missing sources: say what and where
         print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
