@@ -350,36 +350,34 @@ def _is_storage_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or type(exc).__module__.startswith("botocore")
 
 
+_ADVICE = {  # what failed and what to do, per kind of failure
+    UNREACHABLE: "cannot reach {where} ({reason}; {tries}); check that the server is up and that "
+                 "storage.endpoint_url (or AWS_ENDPOINT_URL) points at it; {bound}",
+    BUSY: "{where} kept answering with server errors ({reason}; {tries}); try again later or raise "
+          "storage.retry.max_attempts ({bound})",
+    DENIED: "{where} refused the credentials ({reason}; credentials from {source}); check "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and that they may access bucket "
+            "{bucket}",
+    NO_BUCKET: "bucket {bucket!r} does not exist at {where}; create it (aws s3 mb s3://{bucket}{flag}) or "
+               "fix the URI",
+    BAD_ENDPOINT: "{where} is not a working S3 endpoint ({reason}); check the scheme (http:// for a server "
+                  "without TLS), host and port of storage.endpoint_url (or AWS_ENDPOINT_URL)",
+    NO_CREDENTIALS: "no AWS credentials found (environment, ~/.aws/credentials, AWS_PROFILE, instance or "
+                    "pod role); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE ({where})",
+    OTHER: "{reason} ({where})",
+}
+
+
 def _message(what: str, uri: str, failure: Failure, attempts: int, seconds: float) -> str:
     """One line: what failed, where, why, and what to do."""
     if not is_s3(uri):
         return f"{what} {uri} failed: {failure.reason}"
-    where = f"endpoint {describe_endpoint()}"
-    tries = f"{attempts} attempt{'s' if attempts > 1 else ''} in {seconds:.1f} s"
-    bound = f"storage.retry.max_elapsed_s={_settings.retry.max_elapsed_s:g} bounds the wait"
-    if failure.kind == UNREACHABLE:
-        return (f"{what} {uri} failed: cannot reach {where} ({failure.reason}; {tries}); check that the "
-                f"server is up and that storage.endpoint_url (or AWS_ENDPOINT_URL) points at it; {bound}")
-    if failure.kind == BUSY:
-        return (f"{what} {uri} failed: {where} kept answering with server errors ({failure.reason}; "
-                f"{tries}); try again later or raise storage.retry.max_attempts ({bound})")
-    if failure.kind == DENIED:
-        return (f"{what} {uri} failed: {where} refused the credentials ({failure.reason}; credentials "
-                f"from {_CREDENTIAL_SOURCES.get(source := credentials_source(), source or 'nowhere')}); "
-                f"check AWS_ACCESS_KEY_ID / "
-                f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and that they may access bucket {bucket_of(uri)}")
-    if failure.kind == NO_BUCKET:
-        return (f"{what} {uri} failed: bucket {bucket_of(uri)!r} does not exist at {where}; create it "
-                f"(aws s3 mb s3://{bucket_of(uri)}{_endpoint_flag()}) or fix the URI")
-    if failure.kind == BAD_ENDPOINT:
-        return (f"{what} {uri} failed: {where} is not a working S3 endpoint ({failure.reason}); check the "
-                f"scheme (http:// for a server without TLS), host and port of storage.endpoint_url "
-                f"(or AWS_ENDPOINT_URL)")
-    if failure.kind == NO_CREDENTIALS:
-        return (f"{what} {uri} failed: no AWS credentials found (environment, ~/.aws/credentials, "
-                f"AWS_PROFILE, instance or pod role); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                f"or AWS_PROFILE ({where})")
-    return f"{what} {uri} failed ({where}): {failure.reason}"
+    source = credentials_source() if failure.kind == DENIED else ""
+    fields = {"where": f"endpoint {describe_endpoint()}", "reason": failure.reason, "bucket": bucket_of(uri),
+              "tries": f"{attempts} attempt{'s' if attempts > 1 else ''} in {seconds:.1f} s",
+              "bound": f"storage.retry.max_elapsed_s={_settings.retry.max_elapsed_s:g} bounds the wait",
+              "source": _CREDENTIAL_SOURCES.get(source, source or "nowhere"), "flag": _endpoint_flag()}
+    return f"{what} {uri} failed: " + _ADVICE[failure.kind].format(**fields)
 
 
 _CREDENTIAL_SOURCES = {"env": "the environment", "shared-credentials-file": "~/.aws/credentials",
