@@ -19,6 +19,7 @@ only after the new manifest is in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -61,8 +62,13 @@ def spec_dict(preset: str, specs: Sequence[SourceSpec], shard_rows: int) -> dict
 
 
 def prepare(specs: Sequence[SourceSpec], out_uri: str, shard_rows: int = 2000, preset: str = "",
-            read_threads: int = 16, log: Callable[[str], None] = print) -> PrepareReport:
-    """Convert every source, write shards, rejects and manifest under ``out_uri``."""
+            read_threads: int = 16, log: Callable[[str], None] = print,
+            verify_images: bool = True) -> PrepareReport:
+    """Convert every source, write shards, rejects and manifest under ``out_uri``.
+
+    ``verify_images``: decode every image (``verify_image``) and reject what fails; False only for
+    measuring what the check costs (bench/bench_storage.py).
+    """
     out_uri = storage.absolute(out_uri)
     listings = _convert_all(specs, log)
     old = _old_shards(out_uri)
@@ -71,7 +77,7 @@ def prepare(specs: Sequence[SourceSpec], out_uri: str, shard_rows: int = 2000, p
     for split in schema.STORED_SPLITS:
         items = sorted((i for lst in listings for i in lst.items if i.split == split), key=_order_key)
         for start in range(0, len(items), shard_rows):
-            rows, missing = _read_chunk(items[start:start + shard_rows], read_threads)
+            rows, missing = _read_chunk(items[start:start + shard_rows], read_threads, verify_images)
             rejects += missing
             kept += [(item.dataset, item.label, item.split, item.role) for item, _ in rows]
             for part in _split_by_bytes(rows, SHARD_MAX_BYTES):
@@ -102,11 +108,11 @@ def _order_key(item: SourceItem) -> bytes:
     return hashlib.blake2b(item.item_id.encode(), digest_size=8).digest()
 
 
-def _read_chunk(items: Sequence[SourceItem], threads: int
+def _read_chunk(items: Sequence[SourceItem], threads: int, verify: bool = True
                 ) -> tuple[list[tuple[SourceItem, bytes]], list[Reject]]:
     """The bytes of each item (threads for S3); missing, empty or undecodable files become rejects."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = list(pool.map(_read_item, items))
+        results = list(pool.map(functools.partial(_read_item, verify=verify), items))
     rows, rejects = [], []
     for item, (data, reason, detail) in zip(items, results, strict=True):
         if reason:
@@ -129,7 +135,7 @@ def _split_by_bytes(rows: list, max_bytes: int) -> list[list]:
     return groups
 
 
-def _read_item(item: SourceItem) -> tuple[bytes, str, str]:
+def _read_item(item: SourceItem, verify: bool = True) -> tuple[bytes, str, str]:
     """(bytes, '', '') for an image that decodes, else (b'', reason, detail)."""
     if item.data is not None:
         data = item.data
@@ -141,7 +147,8 @@ def _read_item(item: SourceItem) -> tuple[bytes, str, str]:
     if not data:
         return b"", "empty_file", "0 bytes"
     try:
-        verify_image(data)
+        if verify:
+            verify_image(data)
     except ImageRejected as exc:
         return b"", exc.reason, exc.detail
     return data, "", ""
