@@ -79,7 +79,7 @@ def test_server_down_is_one_line_exit_2_within_seconds_before_ray(aws_test_env, 
     assert len(lines) == 1 and lines[0].startswith("error: checking s3://puma-test/runs failed: cannot reach "
                                                    f"endpoint {endpoint}"), proc.stderr
     retried = float(re.search(r"attempts in ([\d.]+) s", lines[0]).group(1))
-    assert retried < 10.0 and seconds - baseline < 12.0, (retried, seconds, baseline)
+    assert retried < 10.0 and seconds - baseline < 20.0, (retried, seconds, baseline)  # no Ray, one layer
 
 
 def test_wrong_secret_key_is_one_line_after_one_request(s3_server, s3_storage, no_ray, monkeypatch, capsys):

@@ -89,14 +89,14 @@ def _maybe_resume(module: TrainModule, scheduler) -> tuple[RunState, dict | None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return RunState(), None
+    where = storage.display_uri(checkpoint.path, checkpoint.filesystem)
     with checkpoint.as_directory() as path:
         ckpt = read_checkpoint(path, with_optimizer=True)
-    load_trainable(module.model, ckpt.model, source=str(checkpoint.path))
+    load_trainable(module.model, ckpt.model, source=where)
     module.loss.load_state_dict(ckpt.loss)
     scheduler.load_state_dict(ckpt.meta["scheduler"])
     state = RunState(**ckpt.meta["run_state"])
     state.resumes += 1
-    where = storage.display_uri(checkpoint.path, checkpoint.filesystem)
     _log(f"resumed from {where} after epoch {state.epoch} (step {state.step})")
     return state, ckpt.optimizer
 
