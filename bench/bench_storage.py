@@ -9,16 +9,13 @@
      request with 503 SlowDown, against the same writes without failures (time per object).
 
 Usage: python bench/bench_storage.py [--images 2000] [--rounds 3]
-Results: bench/results/storage.json and storage.md (machine, commit, command).
+Results: bench/results/storage.json and storage.md (bench/record.py: machine, device, commit, command).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -34,13 +31,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import pyarrow.fs as pafs  # noqa: E402
 
+from bench.record import record  # noqa: E402
 from puma import storage  # noqa: E402
 from puma.config import StorageConfig  # noqa: E402
 from puma.data.prepare import prepare  # noqa: E402
 from puma.data.sources import SourceSpec  # noqa: E402
 
 CUB = REPO.parent / "shared" / "data" / "cub200-subset" / "CUB_200_2011"
-RESULTS = REPO / "bench" / "results"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,25 +146,10 @@ def bench_transient(work: Path, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()} | {"all": times}
 
 
-def environment() -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "device": "cpu", "commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average": os.getloadavg(), "command": " ".join(["bench/bench_storage.py", *sys.argv[1:]])}
-
-
-def markdown(env: dict, args, prep: dict, dead: dict, flaky: dict) -> str:
+def table(args, prep: dict, dead: dict, flaky: dict) -> str:
+    """The markdown table of medians and ratios."""
     return "\n".join([
-        "# Storage: costs and savings", "",
-        f"- machine: {env['cpu']}, {env['logical_cpus']} logical CPUs, {env['device']}; load average at the "
-        f"end {env['load_average'][0]:.1f}",
-        f"- commit: {env['commit'][:12]}{' + uncommitted changes' if env['dirty'] else ''}; {env['date']}",
-        f"- command: `{env['command']}`", "",
+        f"Load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: rounds alternate).", "",
         "| what | compared | median | ratio |", "|---|---|---|---|",
         f"| prepare {args.images} CUB images (local) | decode check / none | {prep['verify']:.2f} s / "
         f"{prep['no_verify']:.2f} s | {prep['verify'] / prep['no_verify']:.2f}x |",
@@ -186,15 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         prep = bench_prepare(release, work, args.rounds)
         dead = bench_dead_endpoint(args.rounds)
         flaky = bench_transient(work, args.rounds)
-    env = environment()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": env, "images": args.images, "rounds": args.rounds, "prepare_s": prep,
-               "dead_endpoint_s": dead, "write_s_per_object": flaky}
-    (RESULTS / "storage.json").write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    text = markdown(env, args, prep, dead, flaky)
-    (RESULTS / "storage.md").write_text(text)
-    print(text)
-    print(f"[bench] results: {RESULTS / 'storage.json'} and {RESULTS / 'storage.md'}")
+    payload = {"images": args.images, "rounds": args.rounds, "prepare_s": prep, "dead_endpoint_s": dead,
+               "write_s_per_object": flaky}
+    markdown = table(args, prep, dead, flaky)
+    print(markdown)
+    record("storage", payload, markdown, title="Storage: costs and savings")
     return 0
 
 
