@@ -28,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.catalogue) == bool(args.watch):
         print("error: give --catalogue URI (repeatable) or --watch PREFIX, not both", file=sys.stderr)
         return 2
-    from puma.inference import embed_catalogue, watch
+    from puma import storage
+    from puma.inference import embed_catalogue, resolve_checkpoint, watch
 
+    storage.preflight(cfg.storage, inputs=[*args.catalogue, args.watch, resolve_checkpoint(cfg),
+                                           cfg.embed.backbone_weights], outputs=[cfg.index.uri])
     reports = watch(cfg, args.watch) if args.watch else [embed_catalogue(cfg, c) for c in args.catalogue]
     for report in reports:
         print(f"[puma] {report.summary()}")

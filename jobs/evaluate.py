@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from puma.eval.index_eval import metrics_table, run_evaluation
     from puma.index.manifest import has_manifest
 
-    storage.configure(cfg.storage)
     uri = args.index or cfg.index.uri
+    storage.preflight(cfg.storage, outputs=[uri, args.out, cfg.data.uri])  # buckets, credentials
     if args.embed or not has_manifest(uri):
         embed_test_split(cfg, uri, args.checkpoint)
     metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, args.out, cfg.eval.query_chunk)

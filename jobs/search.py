@@ -41,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     from puma.index import verify
     from puma.inference.search import run_search
 
-    storage.configure(cfg.storage)
+    checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
+    storage.preflight(cfg.storage, inputs=[cfg.index.uri, args.queries, *args.image,
+                                           checkpoint if args.image else ""], outputs=[args.out, args.grid])
     if args.verify:
         report = verify(cfg.index.uri).raise_if_bad()
         print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
               f"{report.files_checked} files")
-    checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
     outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self,
                          args.image, checkpoint, args.grid)
     shown = outcome.results.slice(0, min(len(outcome.results), 3 * outcome.k))  # the first three queries

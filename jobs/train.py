@@ -21,10 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_job_args(job_parser(__doc__.splitlines()[0]), argv)
     if cfg is None:
         return 0
+    from puma import storage
     from puma.runtime import init_ray
     from puma.train.driver import check_inputs, run_training
     from puma.train.report import recall_table
 
+    storage.preflight(cfg.storage, inputs=[cfg.model.backbone.weights],  # before Ray: one-line errors
+                      outputs=[cfg.data.uri, cfg.data.source_root, cfg.train.storage_path,
+                               cfg.data.rejects_uri])
     check_inputs(cfg)  # a config or weights file that cannot work fails before Ray starts
     print(f"[puma] Ray: {init_ray()}", flush=True)
     outcome = run_training(cfg)

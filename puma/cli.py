@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from puma import console, storage
-from puma.config import Config, dump_yaml, valid_keys
+from puma.config import Config, dump_yaml, help_config_lines
 from puma.errors import one_line, user_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +24,8 @@ def job_parser(description: str) -> argparse.ArgumentParser:
                                             "optim.lr=1e-4; --help-config lists every key.")
     parser.add_argument("--config", help="YAML config file (local path or s3://); default: "
                                          f"{DEMO_CONFIG.relative_to(REPO_ROOT)} (the embedded default)")
-    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every config key with its type, default and description, and exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--verbose", action="store_true",
                         help="also show Ray's own logs and warnings, and the traceback of an error")
@@ -46,8 +47,7 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> t
     args = parser.parse_args(argv)
     console.set_verbose(args.verbose)
     if args.help_config:
-        for key, tp in valid_keys().items():
-            print(f"{key}: {getattr(tp, '__name__', tp)}")
+        print("\n".join(help_config_lines()))
         return args, None
     cfg = resolve_config(args)  # a bad config or a missing file: a UserError, one line (run_job)
     if args.print_config:

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.space:
         cfg = dataclasses.replace(cfg, sweep=dataclasses.replace(cfg.sweep, space_file=args.space))
+    storage.preflight(cfg.storage, inputs=[cfg.sweep.space_file, cfg.model.backbone.weights],
+                      outputs=[cfg.data.uri, cfg.sweep.storage_path, cfg.train.storage_path])
     plan = plan_sweep(cfg)  # every check that needs no Ray: nothing starts if this fails
     from puma.runtime import init_ray
 

@@ -153,8 +153,12 @@ def _read_parquet(paths: list[str], filesystem) -> ray.data.Dataset:
 def _check_shard_schema(uri: str) -> None:
     """Fail on the driver, naming the file, if a shard does not have the contract's schema."""
     fs, path = storage.resolve(uri)
-    with fs.open_input_file(path) as f:
-        schema.check_schema(pq.read_schema(f), uri)
+
+    def _read():
+        with fs.open_input_file(path) as f:
+            return pq.read_schema(f)
+
+    schema.check_schema(storage.call("reading", uri, _read), uri)
 
 
 def _bounds(labels: range) -> tuple[int, int]:

@@ -23,8 +23,9 @@ retrained ``best`` gets a new one, which the index refuses to mix with the old (
 for a new model).
 
 Rejects: ``<index>/rejects/<catalogue folder name>.jsonl`` (puma.data.rejects format; reasons
-corrupt, truncated, tiny, too_large, missing_file, empty_file). Listed items are not re-tried by
-later runs unless embed.retry_rejects is set.
+corrupt, truncated, tiny, too_large, missing_file, empty_file). A prepared catalogue's prepare-time
+rejects (of the embedded splits) are listed there too, so the file names every bad item of the
+catalogue. Listed items are not re-tried by later runs unless embed.retry_rejects is set.
 """
 
 from __future__ import annotations
@@ -45,17 +46,20 @@ from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
 from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
-from puma.data.rejects import read_rejects, reject_counts
+from puma.data.manifest import load_manifest
+from puma.data.rejects import read_rejects, reject_counts, write_rejects
 from puma.errors import UserError
 from puma.index import add_items, create_index, indexed_item_ids, plan_index, read_manifest
 from puma.index.build import check_compatible
 from puma.index.manifest import has_manifest
 from puma.index.table import ITEM_ID, embedding_matrix
 from puma.inference.catalogue import (
+    SPLITS,
     CatalogueError,
     catalogue_name,
     catalogue_refs,
     check_unique,
+    is_prepared,
     list_catalogues,
     without,
 )
@@ -179,6 +183,7 @@ def _todo(run: _Run, split: str) -> pa.Table:
     """The catalogue's references minus what is indexed (and what earlier runs rejected)."""
     refs, run.report.ignored_files = catalogue_refs(run.catalogue, split)
     check_unique(refs, run.catalogue)
+    _list_prepare_rejects(run, split)
     run.report.items = len(refs)
     if has_manifest(run.index_uri):
         manifest = read_manifest(run.index_uri)
@@ -189,6 +194,17 @@ def _todo(run: _Run, split: str) -> pa.Table:
         refs, run.report.skipped_rejected = without(refs, listed)
     log.info("catalogue %s: %d item(s), %d to embed", run.catalogue, run.report.items, len(refs))
     return refs
+
+
+def _list_prepare_rejects(run: _Run, split: str) -> None:
+    """A prepared catalogue's prepare-time rejects of the embedded splits join the index's rejects file."""
+    if not is_prepared(run.catalogue):
+        return
+    splits = SPLITS[split]
+    found = [r for r in read_rejects(load_manifest(run.catalogue).rejects_uri)
+             if r.get("split") in splits or split == "all"]
+    if found:  # rows already listed keep their place (dumps keeps the first row of an item id)
+        write_rejects(run.report.rejects_uri, [*read_rejects(run.report.rejects_uri), *found])
 
 
 def _embed_todo(run: _Run, todo: pa.Table) -> None:

@@ -137,8 +137,7 @@ def _experiment_exists(sweep_dir: str) -> bool:
 
 def _tune_location(sweep_dir: str):
     """(path, filesystem) of the Tune experiment, for Tune's storage_path / restore arguments."""
-    filesystem, path = storage.resolve(storage.join(sweep_dir, TUNE_DIR))
-    return path, (filesystem if storage.is_s3(sweep_dir) else None)
+    return storage.ray_storage(storage.join(sweep_dir, TUNE_DIR))
 
 
 def _trainable(plan: SweepPlan):

@@ -39,12 +39,7 @@ def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
 
 def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfig:
     """Storage (local or S3 through the one storage layer), failure handling, retention."""
-    path = cfg.train.storage_path
-    filesystem = None
-    if storage.is_s3(path):
-        filesystem, path = storage.resolve(path)
-    else:
-        _, path = storage.resolve(path)
+    path, filesystem = storage.ray_storage(cfg.train.storage_path)
     return ray.train.RunConfig(
         name=cfg.train.run_name, storage_path=path, storage_filesystem=filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
