@@ -179,7 +179,8 @@ def parse_vector(value) -> np.ndarray:
     if not isinstance(value, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                               for x in value):
         raise RequestError(400, "vector must be a list of numbers, e.g. [0.12, -0.03, ...]")
-    vector = np.asarray(value, dtype=np.float32)  # (E,)
+    with np.errstate(over="ignore"):
+        vector = np.asarray(value, dtype=np.float32)  # (E,); beyond float32 becomes inf, refused below
     if vector.size == 0:
         raise RequestError(422, "vector is empty; give the index's embedding dimension of numbers")
     if not np.isfinite(vector).all():
