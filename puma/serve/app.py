@@ -112,6 +112,7 @@ class IndexSearcher:
                  watch_interval_s: float) -> None:
         use_storage(storage_cfg)
         self.live = LiveIndex(index_cfg, model_id, dim)
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), name="watch", daemon=True)
         watcher.start()
@@ -134,7 +135,9 @@ class IndexSearcher:
         return self.live.thumbnail(item_id)
 
     def stats(self) -> dict:
-        return self.live.stats()
+        """The served index's stats, and which replica answered since when (a restart changes both)."""
+        replica = serve.get_replica_context().replica_id.unique_id
+        return {**self.live.stats(), "replica": replica, "replica_started_at": self.started_at}
 
     def health(self) -> dict:
         return {"items": self.live.state.items, "refused_update": self.live.refused}
