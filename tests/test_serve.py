@@ -359,3 +359,44 @@ def test_the_app_builder_for_serve_run_resolves_config_and_refuses_unknown_keys(
     assert isinstance(app, Application)
     with pytest.raises(ConfigError, match="serve.max_kk"):
         build({"index.uri": own, "serve.max_kk": "5"})
+
+
+def test_deployments_autoscale_and_take_gpus_only_when_wanted():
+    from puma.serve.app import deployment_options, gpus_wanted
+
+    cfg = load_config(None, ["serve.index_min_replicas=2", "serve.index_max_replicas=6",
+                             "serve.target_ongoing_requests=3", "serve.model_num_gpus=0.5"])
+    cpu, gpu = deployment_options(cfg, use_gpu=False), deployment_options(cfg, use_gpu=True)
+    assert cpu["index"]["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
+                                                  "target_ongoing_requests": 3.0}
+    assert cpu["model"]["autoscaling_config"]["max_replicas"] == 2 and cpu["ingress"]["num_replicas"] == 1
+    assert all("num_gpus" not in o["ray_actor_options"] for o in cpu.values())
+    assert gpu["model"]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert gpu["index"]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert "num_gpus" not in gpu["ingress"]["ray_actor_options"]  # HTTP and decoding need no GPU
+    assert gpus_wanted(load_config(None, ["serve.gpu=always"])) is True
+    assert gpus_wanted(load_config(None, ["serve.gpu=never"])) is False
+    assert gpus_wanted(load_config(None, ["serve.gpu=auto"])) is False  # no Ray here: no GPUs seen
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_model_embeds_on_cuda_and_the_index_searches_with_faiss_gpu(served, checkpoints):
+    """What the model and index deployments hold when GPUs are used: the same answers as on CPU."""
+    import torch
+
+    from puma import storage
+    from puma.inference.embedder import Embedder
+
+    live_gpu = LiveIndex(IndexConfig(uri=served["uri"], use_gpu=True), "m1", DIM)
+    assert live_gpu.state.index.on_gpu and live_gpu.stats()["on_gpu"]
+    q = vectors(1, 11)[0]
+    assert [h["item_id"] for h in live_gpu.search_vector(q, 8)] == \
+        [h["item_id"] for h in served["live"].search_vector(q, 8)]
+    cars = ("cars",)  # a filter: ID selectors, which run on the CPU copies of the shards
+    assert [h["item_id"] for h in live_gpu.search_vector(q, 5, datasets=cars)] == \
+        [h["item_id"] for h in served["live"].search_vector(q, 5, datasets=cars)]
+    views = np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    on_gpu = Embedder(checkpoints["a"], "", storage.current_config(), use_gpu=True, threads=1)
+    on_cpu = Embedder(checkpoints["a"], "", storage.current_config(), use_gpu=False, threads=1)
+    assert on_gpu.device.type == "cuda" and torch.cuda.is_available()
+    np.testing.assert_allclose(on_gpu.forward(views), on_cpu.forward(views), atol=1e-3)

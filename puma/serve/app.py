@@ -254,21 +254,32 @@ def build_app(plan: ServicePlan) -> Application:
     """The application for a checked plan: index and model deployments behind the HTTP ingress."""
     cfg, s = plan.cfg, plan.cfg.serve
     use_gpu = gpus_wanted(cfg)
+    options = deployment_options(cfg, use_gpu)
     index_cfg = dataclasses.replace(cfg.index, use_gpu=cfg.index.use_gpu and use_gpu)
-    index = IndexSearcher.options(
-        name="index", autoscaling_config=_autoscaling(cfg, s.index_min_replicas, s.index_max_replicas),
-        ray_actor_options=_resources(s.index_num_cpus, s.index_num_gpus if use_gpu else 0.0),
-    ).bind(index_cfg, plan.model_id, plan.manifest.dim, storage.current_config(), s.watch_interval_s)
+    index = IndexSearcher.options(**options["index"]).bind(
+        index_cfg, plan.model_id, plan.manifest.dim, storage.current_config(), s.watch_interval_s)
     model = None
     if s.image_queries:
-        model = QueryModel.options(
-            name="model", autoscaling_config=_autoscaling(cfg, s.model_min_replicas, s.model_max_replicas),
-            ray_actor_options=_resources(s.model_num_cpus, s.model_num_gpus if use_gpu else 0.0),
-        ).bind(plan.checkpoint, cfg.embed.backbone_weights, storage.current_config(), use_gpu,
-               max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s)
-    ingress = SearchIngress.options(name="ingress", num_replicas=s.ingress_replicas,
-                                    ray_actor_options=_resources(s.ingress_num_cpus, 0.0))
-    return ingress.bind(index, model, plan.view, Limits.from_config(s), s.token_env, plan.model_id)
+        model = QueryModel.options(**options["model"]).bind(
+            plan.checkpoint, cfg.embed.backbone_weights, storage.current_config(), use_gpu,
+            max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s)
+    return SearchIngress.options(**options["ingress"]).bind(index, model, plan.view, Limits.from_config(s),
+                                                             s.token_env, plan.model_id)
+
+
+def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:
+    """Replicas, autoscaling and resources of the three deployments (GPUs only when ``use_gpu``)."""
+    s = cfg.serve
+    index_scaling = _autoscaling(cfg, s.index_min_replicas, s.index_max_replicas)
+    model_scaling = _autoscaling(cfg, s.model_min_replicas, s.model_max_replicas)
+    return {
+        "index": {"name": "index", "autoscaling_config": index_scaling,
+                  "ray_actor_options": _resources(s.index_num_cpus, s.index_num_gpus if use_gpu else 0.0)},
+        "model": {"name": "model", "autoscaling_config": model_scaling,
+                  "ray_actor_options": _resources(s.model_num_cpus, s.model_num_gpus if use_gpu else 0.0)},
+        "ingress": {"name": "ingress", "num_replicas": s.ingress_replicas,
+                    "ray_actor_options": _resources(s.ingress_num_cpus, 0.0)},
+    }
 
 
 def build(args: dict[str, str]) -> Application:
