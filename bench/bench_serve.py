@@ -254,7 +254,7 @@ def ratios(rows: dict[tuple[str, int], Row]) -> list[dict]:
 def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float) -> str:
     lines = ["# bench_serve: search service vs brute-force numpy", "",
              f"{env['date']}; commit {env['commit']}; {env['machine']}; device: {env['device']}; "
-             f"load average at start {env['load_average_start']}", "",
+             f"load average {env['load_average_start']} at start, {env['load_average_end']} at the end", "",
              f"Index: {env['args']['items']} x {env['dim']} synthetic vectors, IVF-Flat (nlist "
              f"{env['nlist']}, nprobe 16), {env['shards']} shards; model {env['model']}; k = {K}; service "
              f"recall@{K} vs brute force: {recall:.3f}", "",
@@ -292,6 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Build the index, start the service, run the rows interleaved, print and record the ratios."""
     args = parse_args(argv)
+    env = environment(args)  # the machine's load before this run adds to it
     clients = [int(c) for c in args.clients.split(",")]
     port = args.port or free_port()
     os.environ.setdefault("PUMA_RAY_TMP", tempfile.mkdtemp(prefix="rayb", dir="/tmp"))
@@ -327,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_service(service)
     backbone = model_cfg.model.backbone
-    env = environment(args) | {"dim": dim, "nlist": manifest.nlist, "shards": len(manifest.shards),
-                               "model": f"{backbone.name} at {backbone.img_size} px"}
+    env |= {"dim": dim, "nlist": manifest.nlist, "shards": len(manifest.shards),
+            "model": f"{backbone.name} at {backbone.img_size} px",
+            "load_average_end": round(os.getloadavg()[0], 2)}
     return report(env, rows, recall, args)
 
 
