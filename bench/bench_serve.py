@@ -30,8 +30,6 @@ import argparse
 import http.client
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,13 +47,13 @@ import torch  # noqa: E402
 from bench_embed import make_checkpoint  # noqa: E402
 from bench_index import clustered  # noqa: E402
 
+from bench.record import record  # noqa: E402
 from puma.config import IndexConfig, load_config  # noqa: E402
 from puma.data.images import eval_view_spec, make_view  # noqa: E402
 from puma.index import add_items, create_index  # noqa: E402
 
 REPO = BENCH.parent
 PHOTOS = REPO.parent / "shared" / "data" / "cub200-subset" / "CUB_200_2011" / "images"
-RESULTS = BENCH / "results"
 K = 10
 NOISE = 1.0  # per-dimension spread around the (standard normal) cluster centres: clustered, like embeddings
 
@@ -220,23 +218,9 @@ def recall_at_k(port: int, x: np.ndarray, queries: np.ndarray, n: int = 100) -> 
 # ----------------------------------------------------------------------------- reporting
 
 
-def environment(args: argparse.Namespace) -> dict:
-    """Machine, device and commit the figures belong to."""
-    def git(*cmd: str) -> str:
-        try:
-            proc = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=30)
-        except OSError:
-            return ""
-        return proc.stdout.strip()
-
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no GPU)"
-    dirty = " (dirty)" if git("status", "--porcelain", "--untracked-files=no") else ""
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {memory:.0f} GiB, {platform.platform()}"
-    return {"machine": machine,
-            "device": device, "commit": git("rev-parse", "--short", "HEAD") + dirty,
-            "load_average_start": round(os.getloadavg()[0], 2),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
+def setting(args: argparse.Namespace) -> dict:
+    """What this run measured, and how loaded the machine was before it (bench.record adds the rest)."""
+    return {"args": vars(args), "load_average_start": round(os.getloadavg()[0], 2)}
 
 
 def ratios(rows: dict[tuple[str, int], Row]) -> list[dict]:
@@ -252,9 +236,8 @@ def ratios(rows: dict[tuple[str, int], Row]) -> list[dict]:
 
 
 def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float) -> str:
-    lines = ["# bench_serve: search service vs brute-force numpy", "",
-             f"{env['date']}; commit {env['commit']}; {env['machine']}; device: {env['device']}; "
-             f"load average {env['load_average_start']} at start, {env['load_average_end']} at the end", "",
+    lines = [f"Load average {env['load_average_start']} at the start, {env['load_average_end']} at the end "
+             "(the machine is shared: compare rows of this run only).", "",
              f"Index: {env['args']['items']} x {env['dim']} synthetic vectors, IVF-Flat (nlist "
              f"{env['nlist']}, nprobe 16), {env['shards']} shards; model {env['model']}; k = {K}; service "
              f"recall@{K} vs brute force: {recall:.3f}", "",
@@ -292,7 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Build the index, start the service, run the rows interleaved, print and record the ratios."""
     args = parse_args(argv)
-    env = environment(args)  # the machine's load before this run adds to it
+    env = setting(args)  # the machine's load before this run adds to it
     clients = [int(c) for c in args.clients.split(",")]
     port = args.port or free_port()
     os.environ.setdefault("PUMA_RAY_TMP", tempfile.mkdtemp(prefix="rayb", dir="/tmp"))
@@ -362,11 +345,8 @@ def report(env: dict, rows: dict[tuple[str, int], Row], recall: float, args: arg
     text = markdown(env, summaries, ratio_rows, recall)
     print(text)
     if not args.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        record = {**env, "rows": summaries, "ratios": ratio_rows, "recall_at_k": recall}
-        (RESULTS / "serve.json").write_text(json.dumps(record, indent=1) + "\n")
-        (RESULTS / "serve.md").write_text(text)
-        print(f"[bench] results: {RESULTS / 'serve.json'}, {RESULTS / 'serve.md'}")
+        payload = {"setting": env, "rows": summaries, "ratios": ratio_rows, "recall_at_k": recall}
+        record("serve", payload, text, title="bench_serve: search service vs brute-force numpy")
     return 1 if any(r.errors for r in rows.values()) else 0
 
 
