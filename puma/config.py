@@ -466,7 +466,7 @@ class ServeConfig:
     index_num_gpus: float = 0.5  # GPUs per index replica when GPUs are used (faiss-gpu)
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
-    target_ongoing_requests: float = 4.0  # autoscaling: ongoing requests per replica to aim for
+    target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
     watch_interval_s: float = 10.0  # how often replicas look for new shards in the manifest
     token_env: str = "PUMA_SERVE_TOKEN"  # a non-empty value there requires `Authorization: Bearer <it>`
     access_log: bool = False  # one log line per request in the replicas' logs

@@ -269,6 +269,27 @@ def test_an_index_without_shards_answers_503_until_a_catalogue_arrives(tmp_path)
     assert live.refresh() and len(live.search_vector(vectors(1, 1)[0], 3)) == 3
 
 
+def test_the_served_index_on_s3_searches_refreshes_and_reads_thumbnails(s3_storage, tmp_path):
+    """Everything the index deployment reads goes through puma.storage: the same on a real S3 server."""
+    from puma import storage
+
+    uri = f"{s3_storage}/index"
+    table = items_table(tmp_path, "cub", vectors(12, 4), f"{s3_storage}/catalogues/birds")
+    image_uris = [f"{s3_storage}/images/{i:03d}.png" for i in range(12)]
+    for path, target in zip(table["image_uri"].to_pylist(), image_uris, strict=True):
+        storage.write_bytes(target, Path(path).read_bytes())
+    table = table.set_column(table.schema.get_field_index("image_uri"), "image_uri", pa.array(image_uris))
+    build_index(uri, table, IndexConfig(index_type="flat"), model_id="m1")
+    live = LiveIndex(IndexConfig(uri=uri, use_gpu=False), "m1", DIM)
+    q = vectors(12, 4)[3]
+    assert live.search_vector(q, 1)[0]["item_id"] == "cub/003.png"
+    assert Image.open(io.BytesIO(live.thumbnail("cub/003.png"))).size == (256, 171)
+    add_items(uri, items_table(tmp_path, "cars", vectors(5, 6), "c", images=False), model_id="m1")
+    assert live.refresh() and live.stats()["items"] == 17
+    assert live.search_vector(vectors(5, 6)[2], 1)[0]["item_id"] == "cars/002.png"
+    assert sorted(c["name"] for c in live.stats()["catalogues"]) == ["birds", "c"]
+
+
 # ----------------------------------------------------------------------------- driver-side checks
 
 
@@ -370,6 +391,8 @@ def test_deployments_autoscale_and_take_gpus_only_when_wanted():
     assert cpu["index"]["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
                                                   "target_ongoing_requests": 3.0}
     assert cpu["model"]["autoscaling_config"]["max_replicas"] == 2 and cpu["ingress"]["num_replicas"] == 1
+    assert cpu["model"]["max_ongoing_requests"] >= cfg.serve.max_batch_size  # a replica can fill a batch
+    assert cpu["model"]["autoscaling_config"]["target_ongoing_requests"] == cfg.serve.max_batch_size
     assert all("num_gpus" not in o["ray_actor_options"] for o in cpu.values())
     assert gpu["model"]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
     assert gpu["index"]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}

@@ -270,14 +270,17 @@ def build_app(plan: ServicePlan) -> Application:
 def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:
     """Replicas, autoscaling and resources of the three deployments (GPUs only when ``use_gpu``)."""
     s = cfg.serve
-    index_scaling = _autoscaling(cfg, s.index_min_replicas, s.index_max_replicas)
-    model_scaling = _autoscaling(cfg, s.model_min_replicas, s.model_max_replicas)
+    index_scaling = _autoscaling(s.index_min_replicas, s.index_max_replicas, s.target_ongoing_requests)
+    # a model replica is busy, not overloaded, with a full batch in flight: scale past that
+    model_scaling = _autoscaling(s.model_min_replicas, s.model_max_replicas, float(s.max_batch_size))
     return {
-        "index": {"name": "index", "autoscaling_config": index_scaling,
+        "index": {"name": "index", "autoscaling_config": index_scaling, "max_ongoing_requests": 16,
                   "ray_actor_options": _resources(s.index_num_cpus, s.index_num_gpus if use_gpu else 0.0)},
         "model": {"name": "model", "autoscaling_config": model_scaling,
+                  "max_ongoing_requests": max(2 * s.max_batch_size, 8),  # room to fill a batch and queue one
                   "ray_actor_options": _resources(s.model_num_cpus, s.model_num_gpus if use_gpu else 0.0)},
-        "ingress": {"name": "ingress", "num_replicas": s.ingress_replicas,
+        # async and light: requests wait here (for a batch, a search), not in the proxy's queue
+        "ingress": {"name": "ingress", "num_replicas": s.ingress_replicas, "max_ongoing_requests": 64,
                     "ray_actor_options": _resources(s.ingress_num_cpus, 0.0)},
     }
 
@@ -303,9 +306,9 @@ def gpus_wanted(cfg: Config) -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def _autoscaling(cfg: Config, low: int, high: int) -> dict:
+def _autoscaling(low: int, high: int, target: float) -> dict:
     return {"min_replicas": low, "initial_replicas": low, "max_replicas": high,
-            "target_ongoing_requests": cfg.serve.target_ongoing_requests}
+            "target_ongoing_requests": target}
 
 
 def _resources(cpus: float, gpus: float) -> dict:
