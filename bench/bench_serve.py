@@ -30,6 +30,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     env = setting(args)  # the machine's load before this run adds to it
     clients = [int(c) for c in args.clients.split(",")]
     port = args.port or free_port()
-    os.environ.setdefault("PUMA_RAY_TMP", tempfile.mkdtemp(prefix="rayb", dir="/tmp"))
+    own_ray_tmp = "PUMA_RAY_TMP" not in os.environ
+    os.environ.setdefault("PUMA_RAY_TMP", tempfile.mkdtemp(prefix="rayb", dir="/tmp"))  # short: socket paths
     os.environ.pop("PUMA_SERVE_TOKEN", None)
     from puma.checkpoint import checkpoint_id
     from puma.index import read_manifest
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             recall = recall_at_k(port, x, queries)
         finally:
             stop_service(service)
+            if own_ray_tmp:
+                shutil.rmtree(os.environ.pop("PUMA_RAY_TMP"), ignore_errors=True)
     backbone = model_cfg.model.backbone
     env |= {"dim": dim, "nlist": manifest.nlist, "shards": len(manifest.shards),
             "model": f"{backbone.name} at {backbone.img_size} px",
