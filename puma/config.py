@@ -463,6 +463,70 @@ class EmbedConfig:
                                          "(0: the first catalogue's size)")
 
 
+# ----------------------------------------------------------------------------- online search
+
+SERVE_GPU_MODES = ("auto", "always", "never")
+
+
+@dataclass
+class ServeConfig:
+    """The online search service (jobs/serve.py, puma/serve): Ray Serve over the index at index.uri.
+
+    Image queries are embedded by the checkpoint the index was built with (embed.checkpoint, '' =
+    <train.storage_path>/<train.run_name>/best); its model id must equal the index's. Replicas of
+    the model and index deployments autoscale between their min and max on ongoing requests.
+    """
+
+    host: str = "127.0.0.1"  # where Serve's HTTP proxy listens (0.0.0.0 inside a pod)
+    port: int = 8000
+    app_name: str = "puma-search"
+    image_queries: bool = True  # false: no model deployment; vector and item-id queries only
+    default_k: int = 10  # hits when a request names no k
+    max_k: int = 100  # the largest k a request may ask for
+    max_upload_bytes: int = 10 * 1024 * 1024  # request bodies above this get 413
+    max_image_pixels: int = 40_000_000  # images of more pixels (width x height) get 413
+    max_batch_size: int = 16  # query images embedded in one forward (@serve.batch)
+    batch_wait_timeout_s: float = 0.005  # how long a batch waits to fill
+    gpu: str = "auto"  # auto: GPUs when the cluster has some at start | always | never
+    model_min_replicas: int = 1
+    model_max_replicas: int = 2
+    model_num_cpus: float = 1.0  # CPUs per model replica (torch threads follow it)
+    model_num_gpus: float = 1.0  # GPUs per model replica when GPUs are used
+    index_min_replicas: int = 1
+    index_max_replicas: int = 2
+    index_num_cpus: float = 1.0
+    index_num_gpus: float = 0.5  # GPUs per index replica when GPUs are used (faiss-gpu)
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
+    target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
+    watch_interval_s: float = 10.0  # how often replicas look for new shards in the manifest
+    token_env: str = "PUMA_SERVE_TOKEN"  # a non-empty value there requires `Authorization: Bearer <it>`
+    access_log: bool = False  # one log line per request in the replicas' logs
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "serve.host must be an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+        _check_range("serve.port", self.port, 1, 65535)
+        _check(bool(self.app_name), "serve.app_name must be set, e.g. puma-search")
+        _check_range("serve.max_k", self.max_k, 1, 10_000)
+        _check_range("serve.default_k", self.default_k, 1, self.max_k)
+        _check(self.max_upload_bytes >= 1024, "serve.max_upload_bytes must be >= 1024")
+        _check(self.max_image_pixels >= 256, "serve.max_image_pixels must be >= 256")
+        _check_range("serve.max_batch_size", self.max_batch_size, 1, 4096)
+        _check_range("serve.batch_wait_timeout_s", self.batch_wait_timeout_s, 0.0, 10.0)
+        _check_choice("serve.gpu", self.gpu, SERVE_GPU_MODES)
+        for part in ("model", "index"):
+            low, high = getattr(self, f"{part}_min_replicas"), getattr(self, f"{part}_max_replicas")
+            _check(1 <= low <= high, f"serve.{part}_min_replicas={low} and serve.{part}_max_replicas={high}: "
+                                     "need 1 <= min <= max")
+        for name in ("model_num_cpus", "index_num_cpus", "ingress_num_cpus"):
+            _check(getattr(self, name) > 0, f"serve.{name}={getattr(self, name)!r} must be > 0")
+        for name in ("model_num_gpus", "index_num_gpus"):
+            _check(getattr(self, name) >= 0, f"serve.{name}={getattr(self, name)!r} must be >= 0")
+        _check(self.ingress_replicas >= 1, "serve.ingress_replicas must be >= 1")
+        _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
+        _check(self.watch_interval_s > 0, "serve.watch_interval_s must be > 0 seconds")
+
+
 # ----------------------------------------------------------------------------- sweep
 
 
@@ -514,6 +578,7 @@ class Config:
     index: IndexConfig = field(default_factory=IndexConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 # ----------------------------------------------------------------------------- machinery

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from puma import storage
 from puma.config import IndexConfig
+from puma.index.manifest import Manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import ShardedIndex
 from puma.index.table import (
@@ -132,20 +133,33 @@ def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str
 
 def check_query_model(index: ShardedIndex, checkpoint: str, dim: int) -> None:
     """Refuse query embeddings of another size than the index's; warn when the model ids differ."""
-    model_id = index.manifest.model_id
-    if dim != index.dim:
-        raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index.uri} holds "
-                              f"{index.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
+    mismatch = query_model_mismatch(index.manifest, index.uri, checkpoint, dim)
+    if mismatch:
+        log.warning("%s", mismatch)
+
+
+def query_model_mismatch(manifest: Manifest, index_uri: str, checkpoint: str, dim: int,
+                         query_id: str | None = None) -> str:
+    """Why queries embedded by ``checkpoint`` (``dim``-dim, model id ``query_id``, computed when None)
+    do not belong in the index ('' when they do, or when the index records no model id).
+
+    Raises IndexInputError when the sizes differ: such vectors cannot be searched at all."""
+    model_id = manifest.model_id
+    if dim != manifest.dim:
+        raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index_uri} holds "
+                              f"{manifest.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
                               f"the checkpoint the index was built with")
     if not model_id:
-        return  # an index built without a model id (build_index from vectors): nothing to compare
-    from puma.checkpoint import checkpoint_id  # torch: only when searching by image
+        return ""  # an index built without a model id (build_index from vectors): nothing to compare
+    if query_id is None:
+        from puma.checkpoint import checkpoint_id  # torch: only when searching by image
 
-    query_id = checkpoint_id(checkpoint)
-    if query_id != model_id:
-        log.warning("index %s was built by model %s, but the queries are embedded by checkpoint %s (model "
-                    "%s): scores compare vectors of two models; search with the index's checkpoint",
-                    index.uri, model_id, checkpoint, query_id)
+        query_id = checkpoint_id(checkpoint)
+    if query_id == model_id:
+        return ""
+    return (f"index {index_uri} was built by model {model_id}, but the queries are embedded by checkpoint "
+            f"{checkpoint} (model {query_id}): scores compare vectors of two models; use the index's "
+            f"checkpoint")
 
 
 def indexed_items(index: ShardedIndex, item_ids: list[str]) -> list[GridItem]:
