@@ -10,14 +10,16 @@ ConfigMaps (the CronJob's template) are checked like rendered objects. Reported:
 - ray.io objects against the KubeRay 1.7 CRD schemas (../shared/kuberay-crds/v1.7.0), with
   unknown fields rejected as by strict field validation and the CRDs' CEL rules evaluated;
   plus the operator's own admission rules (a port of ray-operator's ValidateRayClusterSpec,
-  ValidateRayJobSpec and ValidateRayCronJobSpec);
+  ValidateRayJobSpec, ValidateRayCronJobSpec and ValidateRayServiceSpec) and a RayService's
+  serveConfigV2 being a Serve config whose applications name an import path;
 - built-in kinds that ``kubernetes-validate`` rejects (strict) for Kubernetes ``K8S_VERSION``;
 - every pod template (Ray head + injected autoscaler, worker groups, RayJob submitters, CronJob
   pods): Pod Security "restricted", requests and limits for cpu and memory, pinned images, no
   literal credentials, GPU limits exactly on GPU groups;
-- exposure: LoadBalancer / NodePort Services, Ingresses, non-ClusterIP Ray head services, and
-  NetworkPolicies that let anything outside the namespace reach the head's 8265, 10001 or 6379
-  (only the KubeRay operator may reach 8265);
+- exposure: LoadBalancer / NodePort Services, Ingresses, non-ClusterIP Ray head or serve services,
+  and NetworkPolicies that let anything outside the namespace reach the head's 8265, 10001 or 6379
+  (only the KubeRay operator may reach 8265); a RayService's Serve port must be reachable from the
+  namespace its ``puma.io/clients-namespace`` annotation names and from nothing else outside;
 - dangling references (service accounts, ConfigMaps, Roles, RayClusters named by clusterSelector).
 
 Exit status 1 if anything is reported.
@@ -48,6 +50,8 @@ RAY_GROUP = "ray.io"
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 4 MB of YAML
 IMAGE_APP_DIR = "/home/ray/app"  # where the images hold the repository (cluster/Dockerfile.*)
 HEAD_PORTS = (8265, 10001, 6379)
+SERVE_PORT = 8000  # Serve's HTTP port unless serveConfigV2 sets http_options.port
+CLIENTS_ANNOTATION = "puma.io/clients-namespace"  # on a RayService: the namespace of its clients
 OPERATOR_NAMESPACE = "kuberay-system"
 OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 
@@ -208,7 +212,8 @@ def _builtin_errors(obj: dict) -> list[str]:
 # ----------------------------------------------------------------------------- KubeRay admission
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-MAX_NAME = {"RayCluster": 53, "RayJob": 47, "RayCronJob": 47}  # ray-operator utils/constant.go
+MAX_NAME = {"RayCluster": 53, "RayJob": 47, "RayCronJob": 47, "RayService": 47}  # utils/constant.go
+UPGRADE_TYPES = ("NewClusterWithIncrementalUpgrade", "NewCluster", "None")
 SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
 RAY_START_RESOURCE_KEYS = ("num-cpus", "num-gpus", "memory", "resources")
 
@@ -223,6 +228,8 @@ def kuberay_errors(obj: dict) -> list[str]:
         errors += job_spec_errors(spec)
     elif kind == "RayCronJob":
         errors += cron_errors(spec.get("schedule", "")) + job_spec_errors(spec.get("jobTemplate") or {})
+    elif kind == "RayService":
+        errors += service_spec_errors(spec)
     return [f"{where}: {e}" for e in errors]
 
 
@@ -339,6 +346,54 @@ def deletion_errors(spec: dict) -> list[str]:
     return errors
 
 
+def service_spec_errors(spec: dict) -> list[str]:
+    """ValidateRayServiceSpec, plus serveConfigV2 being a Serve config (what the operator submits)."""
+    cluster = spec.get("rayClusterConfig") or {}
+    errors = [f"rayClusterConfig: {e}" for e in cluster_spec_errors(cluster)]
+    if cluster.get("headGroupSpec", {}).get("headService", {}).get("metadata", {}).get("name"):
+        errors.append("rayClusterConfig.headGroupSpec.headService.metadata.name must not be set")
+    upgrade = (spec.get("upgradeStrategy") or {}).get("type")
+    if upgrade is not None and upgrade not in UPGRADE_TYPES:
+        errors.append(f"upgradeStrategy.type {upgrade!r} is not one of {list(UPGRADE_TYPES)}")
+    if spec.get("rayClusterDeletionDelaySeconds", 0) < 0:
+        errors.append("rayClusterDeletionDelaySeconds must be >= 0")
+    if upgrade == "NewClusterWithIncrementalUpgrade":
+        options = (spec.get("upgradeStrategy") or {}).get("clusterUpgradeOptions") or {}
+        if not cluster.get("enableInTreeAutoscaling"):
+            errors.append("NewClusterWithIncrementalUpgrade needs the Ray autoscaler")
+        if not options.get("gatewayClassName") or options.get("intervalSeconds", 0) <= 0 \
+                or not 0 <= options.get("stepSizePercent", -1) <= 100:
+            errors.append("NewClusterWithIncrementalUpgrade needs clusterUpgradeOptions with "
+                          "gatewayClassName, intervalSeconds > 0 and stepSizePercent in [0, 100]")
+    return errors + serve_config_errors(spec.get("serveConfigV2"))
+
+
+def serve_config(text: str | None) -> dict:
+    """serveConfigV2 as a mapping ({} when absent or not YAML)."""
+    try:
+        config = yaml.safe_load(text or "")
+    except yaml.YAMLError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def serve_config_errors(text: str | None) -> list[str]:
+    """serveConfigV2 must be a YAML mapping with applications, each naming ``import_path: module:attr``."""
+    if text is None:
+        return []
+    apps = serve_config(text).get("applications")
+    if not isinstance(apps, list) or not apps:
+        return ["serveConfigV2 is not a Serve config with a list of applications"]
+    bad = [a.get("name", "?") if isinstance(a, dict) else repr(a) for a in apps
+           if not isinstance(a, dict) or not re.fullmatch(r"[\w.]+:[\w.]+", str(a.get("import_path", "")))]
+    return [f"serveConfigV2: application(s) {bad} need import_path 'module:attribute'"] if bad else []
+
+
+def serve_port(spec: dict) -> int:
+    """The Serve HTTP port of a RayService (serveConfigV2 http_options.port, default 8000)."""
+    return int((serve_config(spec.get("serveConfigV2")).get("http_options") or {}).get("port", SERVE_PORT))
+
+
 MONTHS = "JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split()
 CRON_FIELDS = ((0, 59, {}), (0, 23, {}), (1, 31, {}), (1, 12, {m: i + 1 for i, m in enumerate(MONTHS)}),
                (0, 7, {d: i for i, d in enumerate("SUN MON TUE WED THU FRI SAT".split())}))
@@ -394,6 +449,8 @@ def pod_templates(obj: dict) -> Iterator[PodTemplate]:
     elif kind in ("RayJob", "RayCronJob"):
         job = spec.get("jobTemplate", {}) if kind == "RayCronJob" else spec
         yield from _ray_job_pods(job, where, ns)
+    elif kind == "RayService":
+        yield from _ray_cluster_pods(spec.get("rayClusterConfig", {}), f"{where}.rayClusterConfig", ns)
     elif kind == "CronJob":
         yield PodTemplate(where, spec["jobTemplate"]["spec"]["template"]["spec"], ns)
     elif kind in ("Job", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"):
@@ -561,14 +618,19 @@ def exposure_errors(objs: list[dict]) -> list[str]:
             errors.append(f"{where}: {kind} objects are not allowed (the dashboard is never published)")
         for cluster_where, cluster in ray_cluster_specs(obj):
             errors += [f"{cluster_where}: {e}" for e in _head_service_errors(cluster)]
-    return errors + network_policy_errors(objs)
+        if kind == "RayService" and (obj["spec"].get("serveService") or {}).get("spec", {}).get(
+                "type", "ClusterIP") != "ClusterIP":
+            errors.append(f"{where}: serveService.spec.type must be ClusterIP (clients are in the cluster)")
+    return errors + network_policy_errors(objs) + serve_exposure_errors(objs)
 
 
 def ray_cluster_specs(obj: dict) -> Iterator[tuple[str, dict]]:
-    """Every RayClusterSpec inside ``obj`` (RayCluster, RayJob, RayCronJob)."""
+    """Every RayClusterSpec inside ``obj`` (RayCluster, RayJob, RayCronJob, RayService)."""
     kind, spec, where = obj.get("kind"), obj.get("spec", {}), describe(obj)
     if kind == "RayCluster":
         yield where, spec
+    if kind == "RayService" and spec.get("rayClusterConfig"):
+        yield f"{where}.rayClusterConfig", spec["rayClusterConfig"]
     job = spec.get("jobTemplate", {}) if kind == "RayCronJob" else spec if kind == "RayJob" else {}
     if job.get("rayClusterSpec"):
         yield f"{where}.rayClusterSpec", job["rayClusterSpec"]
@@ -656,18 +718,66 @@ OUTSIDE_SOURCES = {
 
 
 def network_policy_errors(objs: list[dict]) -> list[str]:
-    """Ray head ports reachable from outside the namespace (only the operator may reach 8265)."""
+    """Ray head ports reachable from outside the namespace (only the operator may reach 8265), for the
+    generic head and for each cluster's own head labels; a RayService's clients count as outside."""
     policies = [o for o in objs if o.get("kind") == "NetworkPolicy"]
     operator = Source(OPERATOR_NAMESPACE, tuple(OPERATOR_LABELS.items()))
-    errors = []
+    errors: list[str] = []
     for ns in sorted({o["metadata"].get("namespace") for o in objs if list(ray_cluster_specs(o))}):
-        head = {"ray.io/node-type": "head", "ray.io/cluster": "any"}
-        for port in HEAD_PORTS:
-            for what, source in OUTSIDE_SOURCES.items():
-                if ingress_allowed(policies, ns, head, source, port):
-                    errors.append(f"namespace {ns}: {what} can reach the Ray head's port {port}")
-            if port != 8265 and ingress_allowed(policies, ns, head, operator, port):
-                errors.append(f"namespace {ns}: the operator can reach the Ray head's port {port}")
+        clients = {f"a pod of the search clients' namespace {c}": Source(c, (("app", "client"),))
+                   for c in clients_namespaces(objs, ns)}
+        sources = dict(OUTSIDE_SOURCES) | clients
+        heads = [{"ray.io/node-type": "head", "ray.io/cluster": "any"}]
+        heads += [labels for o in objs if o["metadata"].get("namespace") == ns
+                  for _, cluster in ray_cluster_specs(o)
+                  for group, labels in group_labels(cluster) if group == "head"]
+        for head in heads:
+            for port in HEAD_PORTS:
+                errors += [f"namespace {ns}: {what} can reach the Ray head's port {port}"
+                           for what, source in sources.items()
+                           if ingress_allowed(policies, ns, head, source, port)]
+                if port != 8265 and ingress_allowed(policies, ns, head, operator, port):
+                    errors.append(f"namespace {ns}: the operator can reach the Ray head's port {port}")
+    return list(dict.fromkeys(errors))
+
+
+def clients_namespaces(objs: list[dict], ns: str | None) -> list[str]:
+    """The clients' namespaces that the RayServices of namespace ``ns`` name."""
+    return sorted({o["metadata"].get("annotations", {}).get(CLIENTS_ANNOTATION) for o in objs
+                   if o.get("kind") == "RayService" and o["metadata"].get("namespace") == ns} - {None})
+
+
+def group_labels(cluster: dict) -> list[tuple[str, dict]]:
+    """(group, labels of its pods) for the head and each worker group: template labels plus KubeRay's."""
+    head = cluster.get("headGroupSpec", {})
+    out = [("head", {**head.get("template", {}).get("metadata", {}).get("labels", {}),
+                     "ray.io/node-type": "head", "ray.io/cluster": "any"})]
+    for group in cluster.get("workerGroupSpecs", []):
+        labels = group.get("template", {}).get("metadata", {}).get("labels", {})
+        out.append((group.get("groupName", "?"), {**labels, "ray.io/node-type": "worker",
+                                                  "ray.io/group": group.get("groupName", "?")}))
+    return out
+
+
+def serve_exposure_errors(objs: list[dict]) -> list[str]:
+    """Each RayService's Serve port: reachable from its clients' namespace (the annotation), from nothing
+    else outside its namespace, on every pod that runs a Serve proxy (head and workers)."""
+    policies = [o for o in objs if o.get("kind") == "NetworkPolicy"]
+    errors = []
+    for service in (o for o in objs if o.get("kind") == "RayService"):
+        where, ns = describe(service), service["metadata"].get("namespace")
+        clients = service["metadata"].get("annotations", {}).get(CLIENTS_ANNOTATION)
+        if not clients:
+            errors.append(f"{where}: no {CLIENTS_ANNOTATION} annotation names the namespace of its clients")
+            continue
+        port, client = serve_port(service["spec"]), Source(clients, (("app", "client"),))
+        for group, labels in group_labels(service["spec"].get("rayClusterConfig", {})):
+            if not ingress_allowed(policies, ns, labels, client, port):
+                errors.append(f"{where}: pods of namespace {clients} cannot reach port {port} of the "
+                              f"{group} pods")
+            errors += [f"{where}: {what} can reach port {port} of the {group} pods"
+                       for what, source in OUTSIDE_SOURCES.items()
+                       if source.namespace != clients and ingress_allowed(policies, ns, labels, source, port)]
     return errors
 
 
@@ -736,6 +846,13 @@ def entrypoints(objs: list[dict]) -> list[tuple[str, str]]:
         if obj.get("kind") in ("RayJob", "RayCronJob") and job.get("entrypoint"):
             found.append((describe(obj), job["entrypoint"]))
     return found
+
+
+def serve_applications(objs: list[dict]) -> list[tuple[str, dict]]:
+    """(where, application) for every Serve application of every RayService's serveConfigV2."""
+    return [(f"{describe(o)}:{app.get('name', '?')}", app) for o in objs if o.get("kind") == "RayService"
+            for app in serve_config(o["spec"].get("serveConfigV2")).get("applications") or []
+            if isinstance(app, dict)]
 
 
 def repo_path(image_path: str) -> Path | None:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Parse, embed each catalogue (or watch a prefix), print what was added and where."""
     parser = job_parser(__doc__.splitlines()[0])
@@ -27,13 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.catalogue) == bool(args.watch):
         print("error: give --catalogue URI (repeatable) or --watch PREFIX, not both", file=sys.stderr)
         return 2
-    from puma.inference import embed_catalogue, watch
+    from puma import storage
+    from puma.inference import embed_catalogue, resolve_checkpoint, watch
 
-    try:
-        reports = watch(cfg, args.watch) if args.watch else [embed_catalogue(cfg, c) for c in args.catalogue]
-    except ValueError as exc:  # bad catalogue, incompatible index or checkpoint: say what, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    storage.preflight(cfg.storage, inputs=[*args.catalogue, args.watch, resolve_checkpoint(cfg),
+                                           cfg.embed.backbone_weights], outputs=[cfg.index.uri])
+    reports = watch(cfg, args.watch) if args.watch else [embed_catalogue(cfg, c) for c in args.catalogue]
     for report in reports:
         print(f"[puma] {report.summary()}")
         if report.rejected:
@@ -44,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

@@ -14,10 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 from puma.config import Config  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Parse, (embed,) evaluate, print the table and where the metrics went."""
     parser = job_parser(__doc__.splitlines()[0])
@@ -33,15 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     from puma.eval.index_eval import metrics_table, run_evaluation
     from puma.index.manifest import has_manifest
 
-    storage.configure(cfg.storage)
     uri = args.index or cfg.index.uri
-    try:
-        if args.embed or not has_manifest(uri):
-            embed_test_split(cfg, uri, args.checkpoint)
-        metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, args.out, cfg.eval.query_chunk)
-    except ValueError as exc:  # bad index, labels or inputs: say what is wrong, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    storage.preflight(cfg.storage, outputs=[uri, args.out, cfg.data.uri])  # buckets, credentials
+    if args.embed or not has_manifest(uri):
+        embed_test_split(cfg, uri, args.checkpoint)
+    metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, args.out, cfg.eval.query_chunk)
     print(metrics_table(metrics))
     print(f"[puma] evaluated {uri} (index.nprobe={cfg.index.nprobe})")
     print(f"[puma] metrics: {out_uri}")
@@ -59,4 +56,4 @@ def embed_test_split(cfg: Config, uri: str, checkpoint: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

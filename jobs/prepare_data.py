@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
 PRESETS = "demo|cub|cars|sop|inshop|nabirds|dogs|flowers|aircraft|folder|paper"
 
@@ -42,6 +42,7 @@ def build_parser():
     return parser
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Convert, write shards and manifest, print where they went and the per-dataset counts."""
     args, cfg = parse_job_args(build_parser(), argv)
@@ -53,14 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     storage.configure(cfg.storage)
     preset = args.preset or cfg.data.preset or "demo"
     out = args.out or cfg.data.uri
-    try:
-        specs = job_specs(cfg, preset, args.source, args.name, args.class_depth)
-        report = prepare(specs, out, cfg.data.shard_rows, preset=preset)
-    except (ValueError, FileNotFoundError) as exc:  # layout errors, missing sources: say what and where
-        print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
-        return 2
+    specs = job_specs(cfg, preset, args.source, args.name, args.class_depth)
+    storage.preflight(cfg.storage, inputs=[s.uri for s in specs], outputs=[out])
+    report = prepare(specs, out, cfg.data.shard_rows, preset=preset)
     return print_report(report, verify=args.verify)
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

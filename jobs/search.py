@@ -15,9 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Parse, search, print the top results and where they went."""
     parser = job_parser(__doc__.splitlines()[0])
@@ -40,19 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     from puma.index import verify
     from puma.inference.search import run_search
 
-    storage.configure(cfg.storage)
-    try:
-        if args.verify:
-            report = verify(cfg.index.uri).raise_if_bad()
-            print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
-                  f"{report.files_checked} files")
-        checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
-        outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self,
-                             args.image, checkpoint, args.grid)
-    except ValueError as exc:  # IndexInputError / IndexIntegrityError: say what is wrong, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(outcome.results.slice(0, min(len(outcome.results), 3 * args.k)).to_pandas().to_string(index=False))
+    checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
+    storage.preflight(cfg.storage, inputs=[cfg.index.uri, args.queries, *args.image,
+                                           checkpoint if args.image else ""], outputs=[args.out, args.grid])
+    if args.verify:
+        report = verify(cfg.index.uri).raise_if_bad()
+        print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
+              f"{report.files_checked} files")
+    outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self,
+                         args.image, checkpoint, args.grid)
+    shown = outcome.results.slice(0, min(len(outcome.results), 3 * outcome.k))  # the first three queries
+    print(shown.to_pandas().to_string(index=False))
+    if outcome.k_limit:
+        print(f"[puma] --k {args.k}: {outcome.k} results per query ({outcome.k_limit})")
     print(f"[puma] searched {outcome.index_items} items, {outcome.index_shards} shard(s): {cfg.index.uri}")
     print(f"[puma] results: {outcome.out_uri}")
     if outcome.grid_uri:
@@ -61,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

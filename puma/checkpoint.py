@@ -6,22 +6,33 @@ Layout::
     loss.safetensors       loss parameters and buffers (proxies, CurricularFace t)
     optimizer.safetensors  optimiser tensors (resume only; optional)
     config.yaml            the resolved Config
-    meta.json              epoch, metrics, label map, library versions, optimiser layout
+    meta.json              epoch, metrics, label map, library versions, optimiser layout, and the
+                           sha256 of every other file ("files"); written last: a checkpoint is
+                           complete when meta.json is present and every file matches its checksum
+
+A run's best checkpoint (``<run>/best``) is replaced atomically on local paths and S3 alike: each
+new best is written to a version folder ``best/<version>/`` and then ``best/current.json`` (one
+object, written in one put or rename) is switched to name it; readers resolve the pointer
+(:func:`resolve_checkpoint`), so ``<run>/best`` always reads as one complete checkpoint, the old
+or the new. A ``best/`` without a pointer (written before versions existed) is read as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
 from puma.config import Config, dump_yaml, from_dict, run_uri, to_dict
+from puma.errors import UserError
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
@@ -29,12 +40,17 @@ OPTIM_FILE = "optimizer.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
 BEST_DIR = "best"  # <run>/best: the best checkpoint by train.best_metric
+POINTER_FILE = "current.json"  # best/current.json: which version folder best/ stands for
 # the libraries that shape a checkpoint's meaning (meta.json "versions")
 LIBRARIES = ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, incomplete or does not match the model built from its config."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint folder whose files are missing, truncated or unreadable (an interrupted write)."""
 
 
 @dataclass
@@ -53,36 +69,135 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(uri: str, state: CheckpointState) -> str:
-    """Write ``state`` under ``uri``; meta.json is written last, so its presence marks completeness."""
+    """Write ``state`` under ``uri``; meta.json (with every file's sha256) last, so it marks completeness."""
     storage.makedirs(uri)
-    storage.write_bytes(storage.join(uri, MODEL_FILE), st_save(_cpu(state.model)))
-    storage.write_bytes(storage.join(uri, LOSS_FILE), st_save(_cpu(state.loss)))
+    files = {MODEL_FILE: st_save(_cpu(state.model)), LOSS_FILE: st_save(_cpu(state.loss))}
     meta = dict(state.meta, versions=library_versions(LIBRARIES))
+    meta.pop("optimizer_layout", None)  # a copy without the optimiser (best/) must not claim one
     if state.optimizer is not None:
         tensors, layout = flatten_optimizer_state(state.optimizer)
-        storage.write_bytes(storage.join(uri, OPTIM_FILE), st_save(tensors))
+        files[OPTIM_FILE] = st_save(tensors)
         meta["optimizer_layout"] = layout
-    storage.write_text(storage.join(uri, CONFIG_FILE), dump_yaml(state.config))
+    files[CONFIG_FILE] = dump_yaml(state.config).encode("utf-8")
+    meta["files"] = {name: storage.sha256(data) for name, data in files.items()}
+    for name, data in files.items():
+        storage.write_bytes(storage.join(uri, name), data)
     storage.write_text(storage.join(uri, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
     return uri
 
 
-def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
-    """Read a checkpoint written by :func:`save_checkpoint` (safetensors + YAML + JSON only)."""
-    if not storage.exists(storage.join(uri, META_FILE)):
-        raise CheckpointError(f"{uri} is not a complete PUMA checkpoint: {META_FILE} is missing "
-                              f"(expected files: {MODEL_FILE}, {CONFIG_FILE}, {META_FILE})")
-    import yaml
+def resolve_checkpoint(uri: str) -> str:
+    """The folder holding the checkpoint ``uri`` names: the version its pointer names (best/), or itself."""
+    pointer = storage.join(uri, POINTER_FILE)
+    if not storage.exists(pointer):
+        return uri
+    return storage.join(uri, json.loads(storage.read_text(pointer))["checkpoint"])
 
-    meta = json.loads(storage.read_text(storage.join(uri, META_FILE)))
-    config = from_dict(yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))))
-    model = st_load(storage.read_bytes(storage.join(uri, MODEL_FILE)))
-    loss = st_load(storage.read_bytes(storage.join(uri, LOSS_FILE)))
+
+def has_checkpoint(uri: str) -> bool:
+    """Whether ``uri`` names a checkpoint (a pointer, or a folder with meta.json); not a full check."""
+    return storage.exists(storage.join(uri, POINTER_FILE)) or storage.exists(storage.join(uri, META_FILE))
+
+
+def _incomplete(uri: str, what: str) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(f"{uri} is not a complete PUMA checkpoint: {what}")
+
+
+def read_meta(uri: str) -> dict[str, Any]:
+    """A checkpoint's meta.json (following a best/ pointer); IncompleteCheckpointError when it is missing."""
+    uri = resolve_checkpoint(uri)
+    path = storage.join(uri, META_FILE)
+    try:
+        meta = json.loads(storage.read_text(path))
+    except FileNotFoundError as exc:
+        raise _incomplete(uri, f"{META_FILE} is missing (expected files: {MODEL_FILE}, {CONFIG_FILE}, "
+                               f"{META_FILE})") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _incomplete(uri, f"{path} is not valid JSON ({exc}): the checkpoint is damaged; use another "
+                               "checkpoint (e.g. an earlier checkpoint_* of the run)") from exc
+    if not isinstance(meta, dict):
+        raise _incomplete(uri, f"{path} holds a {type(meta).__name__}, not a JSON object: the checkpoint "
+                               "is damaged; use another checkpoint")
+    return meta
+
+
+def _read_file(uri: str, name: str, meta: dict) -> bytes:
+    """One file of a checkpoint (IncompleteCheckpointError when it is missing)."""
+    try:
+        return storage.read_bytes(storage.join(uri, name))
+    except FileNotFoundError as exc:
+        raise _incomplete(uri, f"{name} is missing") from exc
+
+
+def _checksum_error(uri: str, name: str, data: bytes, meta: dict, parses: bool) -> CheckpointError | None:
+    """Why ``data`` is not the file ``name`` was saved as (None when it is, or no checksum was recorded).
+
+    A file that no longer parses was cut short or damaged (an interrupted write or copy); one that
+    parses with other bytes was edited: its weights are not the trained ones, which must not be
+    blamed on the backbone later (verify_probe).
+    """
+    expected = meta.get("files", {}).get(name)
+    if expected is None or storage.sha256(data) == expected:
+        return None
+    path = storage.join(uri, name)
+    if not parses:
+        return _incomplete(uri, f"{path} is truncated or corrupt ({len(data)} bytes; it does not match the "
+                                f"sha256 in {META_FILE}: an interrupted write or copy): use another "
+                                "checkpoint (e.g. an earlier checkpoint_* of the run)")
+    return _incomplete(uri, f"{path} was changed after the checkpoint was saved (it does not match the "
+                            f"sha256 in {META_FILE}): its weights are not the trained ones; restore the "
+                            "file or use another checkpoint")
+
+
+def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
+    """Read a checkpoint written by :func:`save_checkpoint` (safetensors + YAML + JSON only).
+
+    ``uri`` may be a best/ folder with a pointer; every file is checked against its recorded sha256.
+    """
+    uri = resolve_checkpoint(uri)
+    meta = read_meta(uri)
+    config = _read_config(uri, meta)
+    model = read_weights(uri, MODEL_FILE, meta)
+    loss = read_weights(uri, LOSS_FILE, meta)
     optimizer = None
     if with_optimizer and "optimizer_layout" in meta:
-        tensors = st_load(storage.read_bytes(storage.join(uri, OPTIM_FILE)))
-        optimizer = unflatten_optimizer_state(tensors, meta["optimizer_layout"])
+        optimizer = unflatten_optimizer_state(read_weights(uri, OPTIM_FILE, meta), meta["optimizer_layout"])
     return CheckpointState(config=config, model=model, loss=loss, optimizer=optimizer, meta=meta)
+
+
+def _read_config(uri: str, meta: dict[str, Any]) -> Config:
+    """config.yaml as a Config; a missing, edited or unreadable one is a CheckpointError naming it."""
+    import yaml
+
+    data = _read_file(uri, CONFIG_FILE, meta)
+    error = _checksum_error(uri, CONFIG_FILE, data, meta, parses=True)
+    if error is not None:
+        raise error
+    try:
+        return from_dict(yaml.safe_load(data.decode("utf-8")) or {})
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{storage.join(uri, CONFIG_FILE)} is not valid YAML: the checkpoint is "
+                              "damaged; use another checkpoint") from exc
+
+
+def read_weights(uri: str, name: str, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One safetensors file of a checkpoint; a missing, truncated, corrupt or edited file is refused.
+
+    A checkpoint written since file checksums were recorded (meta.json ``files``) must still hold
+    the bytes it was saved with; a truncated file in an older checkpoint is caught by parsing it.
+    """
+    data = _read_file(uri, name, meta)
+    try:
+        tensors = st_load(data)
+    except SafetensorError as exc:
+        error = _checksum_error(uri, name, data, meta, parses=False)
+        raise error or _incomplete(uri, f"{storage.join(uri, name)} is truncated or corrupt ({len(data)} "
+                                        f"bytes; safetensors: {exc}): use another checkpoint (e.g. an "
+                                        "earlier checkpoint_* of the run)") from exc
+    error = _checksum_error(uri, name, data, meta, parses=True)
+    if error is not None:
+        raise error
+    return tensors
 
 
 def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -151,9 +266,13 @@ def verify_probe(model: torch.nn.Module, meta: dict, img_size: int, source: str,
     actual = torch.tensor(probe_embeddings(model, img_size))
     diff = float((expected - actual).abs().max())
     if diff > atol:
+        backbone = meta.get("backbone_weights", "?")
+        cause = (f"the frozen backbone weights ({backbone}) differ from the ones it was trained on; point "
+                 "model.backbone.weights (embed.backbone_weights) at those" if "files" in meta else
+                 f"either the frozen backbone weights ({backbone}) differ from the ones it was trained on, "
+                 f"or its own {MODEL_FILE} was changed (this checkpoint predates file checksums)")
         raise CheckpointError(f"checkpoint {source} does not reproduce its embeddings (max diff {diff:.2e} > "
-                              f"{atol:.0e}): the frozen backbone weights "
-                              f"({meta.get('backbone_weights', '?')}) differ from the ones it was trained on")
+                              f"{atol:.0e}): {cause}")
 
 
 def load_model(uri: str, backbone_weights: str | None = None,
@@ -180,6 +299,7 @@ def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     """The model id an index records: ``sha256:`` of the trainable weights (model.safetensors), the
     model config (the backbone weights' location left out) and the probe embeddings (which
     fingerprint the frozen backbone); a copy of a checkpoint keeps its id."""
+    uri = resolve_checkpoint(uri)
     state = state or read_checkpoint(uri)
     model_cfg = to_dict(state.config.model)
     model_cfg["backbone"].pop("weights", None)
@@ -187,6 +307,53 @@ def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     digest.update(json.dumps(model_cfg, sort_keys=True).encode())
     digest.update(json.dumps(state.meta.get("probe"), sort_keys=True).encode())
     return "sha256:" + digest.hexdigest()
+
+
+def best_record(best_uri: str, metric: str) -> dict[str, Any] | None:
+    """What best/ holds, as ``{"checkpoint", "epoch", "value"}`` (``value``: its ``metric``, None when it
+    has none); None when there is no best checkpoint yet."""
+    if not has_checkpoint(best_uri):
+        return None
+    meta = read_meta(best_uri)
+    value = meta.get("metrics", {}).get(metric)
+    return {"checkpoint": resolve_checkpoint(best_uri), "epoch": meta.get("epoch"),
+            "value": None if value is None else float(value)}
+
+
+def publish_best(best_uri: str, state: CheckpointState, label: str) -> str:
+    """Make ``state`` (less its optimiser state) the best checkpoint atomically: write the version folder
+    ``<label>_<random>``,
+    switch best/current.json to it (one put or rename), then remove all but it and the previous one.
+
+    A crash at any moment leaves best/ reading as the old or the new checkpoint, each complete.
+    """
+    previous = _pointer_target(best_uri)
+    version = f"{label}_{secrets.token_hex(4)}"
+    state = CheckpointState(config=state.config, model=state.model, loss=state.loss, meta=state.meta)
+    save_checkpoint(storage.join(best_uri, version), state)
+    record = {"checkpoint": version, "epoch": state.meta.get("epoch"), "previous": previous}
+    storage.write_text(storage.join(best_uri, POINTER_FILE), json.dumps(record, indent=2, sort_keys=True))
+    _remove_stale_versions(best_uri, keep={version, previous})
+    return storage.join(best_uri, version)
+
+
+def _pointer_target(best_uri: str) -> str | None:
+    pointer = storage.join(best_uri, POINTER_FILE)
+    return json.loads(storage.read_text(pointer))["checkpoint"] if storage.exists(pointer) else None
+
+
+def _remove_stale_versions(best_uri: str, keep: set[str | None]) -> None:
+    """Versions other than ``keep``, and files of the pre-pointer layout, once the pointer has moved on.
+
+    The previous version stays, so a reader that resolved the pointer just before the switch can
+    still read it.
+    """
+    for uri in storage.list_dirs(best_uri):
+        if uri.rstrip("/").rsplit("/", 1)[-1] not in keep:
+            storage.delete(uri)
+    for uri in storage.list_files(best_uri, recursive=False):
+        if uri.rsplit("/", 1)[-1] != POINTER_FILE:
+            storage.delete(uri)
 
 
 def best_checkpoint_uri(cfg: Config) -> str:

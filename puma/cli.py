@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from puma.config import Config, ConfigError, dump_yaml, valid_keys
-from puma.errors import UserError
+from puma import console, storage
+from puma.config import Config, dump_yaml, help_config_lines
+from puma.errors import one_line, user_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
@@ -22,10 +24,11 @@ def job_parser(description: str) -> argparse.ArgumentParser:
                                             "optim.lr=1e-4; --help-config lists every key.")
     parser.add_argument("--config", help="YAML config file (local path or s3://); default: "
                                          f"{DEMO_CONFIG.relative_to(REPO_ROOT)} (the embedded default)")
-    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every config key with its type, default and description, and exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--verbose", action="store_true",
-                        help="also show tracebacks of user errors, and library logs where a job has them")
+                        help="also show Ray's own logs and warnings, and the traceback of an error")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     return parser
 
@@ -42,35 +45,40 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> t
                                                                                      Config | None]:
     """Parse argv; returns (args, None) when the job should exit early (help printed, bad config)."""
     args = parser.parse_args(argv)
+    console.set_verbose(args.verbose)
     if args.help_config:
-        for key, tp in valid_keys().items():
-            print(f"{key}: {getattr(tp, '__name__', tp)}")
+        print("\n".join(help_config_lines()))
         return args, None
-    try:
-        cfg = resolve_config(args)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+    cfg = resolve_config(args)  # a bad config or a missing file: a UserError, one line (run_job)
     if args.print_config:
         print(dump_yaml(cfg))
         return args, None
     return args, cfg
 
 
-def one_line(exc: BaseException) -> str:
-    """The exception's message on one line (newlines folded), never empty."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 def run_job(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
-    """Run a job's ``main``: a UserError prints ``error: <message>`` on one line and gives exit code 2
-    (its traceback too with --verbose); any other exception is internal: exit 1 with the traceback."""
+    """Run a job's ``main``: a user's error (a UserError, also one raised in a Ray worker, a missing
+    file, a full disk) prints ``error: <message>`` on one line and gives exit code 2 (its traceback
+    too with --verbose); any other exception is internal: exit 1 with the traceback."""
     args = sys.argv[1:] if argv is None else argv
+    console.set_verbose("--verbose" in args)
     try:
         return main(argv)
-    except UserError as exc:
+    except Exception as exc:
+        found = user_error(exc)
+        if found is None:
+            raise
         if "--verbose" in args:
             traceback.print_exc()
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        print(f"error: {storage.redact(one_line(found))}", file=sys.stderr, flush=True)
         return 2
+
+
+def job_main(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Decorate a job's ``main(argv)`` so that every call (the command line, a test) goes through run_job."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        return run_job(main, argv)
+
+    return run

@@ -7,7 +7,15 @@ not a field here is an error everywhere.
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
+import difflib
+import functools
+import inspect
+import io
+import json
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -44,9 +52,9 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 class BackboneConfig:
     """A frozen timm ViT. ``weights``: 'hub' (timm pretrained tag), 'none', or a file/URI."""
 
-    name: str = "vit_small_patch16_224.augreg_in21k_ft_in1k"
-    weights: str = "hub"
-    img_size: int = 224
+    name: str = "vit_small_patch16_224.augreg_in21k_ft_in1k"  # timm model name (a ViT), frozen
+    weights: str = "hub"  # 'hub' (timm's pretrained download), 'none' (random), or a weights file/URI
+    img_size: int = 224  # input side in pixels (position embeddings resampled to it)
     model_kwargs: dict = field(default_factory=dict)  # extra timm kwargs, e.g. {depth: 2} for tests
 
     def __post_init__(self) -> None:
@@ -59,12 +67,12 @@ class BackboneConfig:
 class AdapterConfig:
     """Stochastic adapters (paper Eq. 4-5): two per block, rank r, keep probability p."""
 
-    enabled: bool = True
-    rank: int = 128
-    keep_prob: float = 0.5
-    scale: float = 0.1
-    blocks: Optional[list[int]] = None  # None: every block; else block indices, e.g. [0..11]
-    layer_scale: bool = False  # outputs through the block's LayerScale (no-op on ViTs without it)
+    enabled: bool = True  # stochastic adapters beside the MSA and MLP of the chosen blocks
+    rank: int = 128  # r, the adapter bottleneck width (W_down: D x r, W_up: r x D)
+    keep_prob: float = 0.5  # p, Bernoulli keep probability per sample at training (1: static adapter)
+    scale: float = 0.1  # fixed multiplier of the adapter output (Eq. 4)
+    blocks: Optional[list[int]] = None  # adapted blocks: null = every block, else indices, e.g. [0, 1]
+    layer_scale: bool = False  # adapter outputs through the block's LayerScale (no-op on ViTs without it)
 
     def __post_init__(self) -> None:
         _check_range("model.adapter.rank", self.rank, 1, 4096)
@@ -79,10 +87,10 @@ class AdapterConfig:
 class PromptPoolConfig:
     """Conditional prompt pool (paper Eq. 6-10): M prompts of Np tokens, keys and attention."""
 
-    enabled: bool = True
-    pool_size: int = 20  # M
-    length: int = 8  # Np
-    ortho_weight: float = 1e-6
+    enabled: bool = True  # the conditional prompt pool, inserted after the CLS token
+    pool_size: int = 20  # M, prompts in the pool
+    length: int = 8  # Np, tokens per prompt
+    ortho_weight: float = 1e-6  # lambda of the orthogonality penalty on keys, attention and prompts
 
     def __post_init__(self) -> None:
         _check_range("model.prompt_pool.pool_size", self.pool_size, 1, 4096)
@@ -94,7 +102,7 @@ class PromptPoolConfig:
 class HeadConfig:
     """Linear(D -> embed_dim) on the final-norm CLS token, then L2 normalisation."""
 
-    embed_dim: int = 128
+    embed_dim: int = 128  # embedding size (the index dimension)
     init: str = "random"  # random (nn.Linear's) | pca: centred PCA of the initial training features
 
     def __post_init__(self) -> None:
@@ -109,11 +117,11 @@ LORA_TARGETS = ("q", "k", "v", "proj")
 class LoraConfig:
     """LoRA on the attention projections (methods lora, puma_lora); keep_prob < 1: stochastic LoRA."""
 
-    rank: int = 128
+    rank: int = 128  # r, the LoRA rank
     keep_prob: float = 1.0  # per-sample Bernoulli keep of each LoRA branch, as the adapters (Table 7: 0.5)
-    scale: float = 1.0  # alpha / r
-    targets: list[str] = field(default_factory=lambda: ["q", "k"])  # of q, k, v (fused qkv) and proj
-    blocks: Optional[list[int]] = None  # None: every block
+    scale: float = 1.0  # the LoRA output scale, alpha / r
+    targets: list[str] = field(default_factory=lambda: ["q", "k"])  # projections with LoRA: q, k, v, proj
+    blocks: Optional[list[int]] = None  # blocks with LoRA: null = every block, else indices
 
     def __post_init__(self) -> None:
         _check_range("model.lora.rank", self.rank, 1, 4096)
@@ -131,7 +139,7 @@ class LoraConfig:
 class VptConfig:
     """Visual prompt tuning (methods vpt_shallow, vpt_deep): Np learned tokens right after CLS."""
 
-    length: int = 8  # Np
+    length: int = 8  # Np, learned prompt tokens (vpt_deep: per block)
 
     def __post_init__(self) -> None:
         _check_range("model.vpt.length", self.length, 1, 1024)
@@ -151,7 +159,7 @@ class VptspgConfig:
     """
 
     prompt_length: int = 10  # N, visual prompts per layer (paper Table 1: VPT L:12, N:10)
-    prompt_layers: Optional[int] = None  # L, the first L blocks get fresh prompts; None: every block
+    prompt_layers: Optional[int] = None  # L, the first L blocks get fresh prompts; null: every block
     class_prompt_length: int = 1  # m (CLS-N), class-based prompts per layer
     class_prompt_layers: int = 6  # CLS-L, the first CLS-L blocks get fresh class prompts
     fusion: str = "gru"  # gru (VPTSP-G, Eq. 4-7) | ema (VPTSP-M, Eq. 3)
@@ -187,11 +195,11 @@ class UdmlSsConfig:
     and prompt pool as ``model.adapter.enabled`` / ``model.prompt_pool.enabled`` say.
     """
 
-    num_clusters: int = 100  # k (paper: 100 for CUB and Cars, 1,000 / 10,000 for SOP)
+    num_clusters: int = 100  # k, pseudo-classes (paper: 100 for CUB and Cars, 1,000 / 10,000 for SOP)
     recluster_every: int = 1  # epochs between k-means runs (paper: "iteratively"; DeepCluster: 1)
     eta: float = 0.1  # rotation-loss weight (paper: 0.1 CUB and SOP, 0.5 Cars)
     cluster_features_first: bool = True  # first k-means on backbone features, as the paper; then embeddings
-    kmeans_niter: int = 20
+    kmeans_niter: int = 20  # k-means iterations per clustering
     kmeans_gpu: bool = True  # FAISS GPU k-means when faiss.get_num_gpus() > 0
     ms_alpha: float = 2.0  # MS loss alpha (positive pairs)
     ms_beta: float = 50.0  # MS loss beta (negative pairs)
@@ -212,7 +220,7 @@ class UdmlSsConfig:
 
 @dataclass
 class ModelConfig:
-    method: str = "puma"
+    method: str = "puma"  # the method to train and embed with (puma.methods.METHODS), e.g. puma, linear
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     prompt_pool: PromptPoolConfig = field(default_factory=PromptPoolConfig)
@@ -237,11 +245,11 @@ ONE_PROXY_PER_CLASS = ("curricularface", "arcface", "cosface", "proxy_anchor", "
 
 @dataclass
 class LossConfig:
-    name: str = "curricularface"
-    scale: float = 32.0  # s
-    margin: float = 0.3  # m
+    name: str = "curricularface"  # metric loss (LOSS_NAMES: curricularface, arcface, proxy_anchor, ...)
+    scale: float = 32.0  # s, logit scale of the margin losses (CurricularFace, ArcFace, CosFace)
+    margin: float = 0.3  # m, the angular / additive margin
     t_mode: str = "per_class"  # CurricularFace hard-negative statistic t: per_class | global
-    t_momentum: float = 0.99
+    t_momentum: float = 0.99  # EMA momentum of CurricularFace's t
     t_update: str = "after"  # after: a batch uses earlier batches' t, then updates it (released) | before
     proxy_init: str = "random"  # random (kaiming-uniform) | centroids: each class's mean initial embedding
     xbm_memory_size: int = 0  # cross-batch memory (XBM) for pair-based losses; 0: off
@@ -264,16 +272,16 @@ class LossConfig:
 class OptimConfig:
     """AdamW with per-group learning-rate multipliers and step decay (DESIGN.md section 1)."""
 
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    module_lr_mult: float = 10.0  # adapters, prompts (and the head unless head_lr_mult is set)
-    head_lr_mult: Optional[float] = None  # the embedding head; None: module_lr_mult (the paper's)
-    proxy_lr_mult: float = 1e4  # loss proxies
+    lr: float = 1e-4  # base learning rate of AdamW (groups scale it by their *_lr_mult)
+    weight_decay: float = 1e-4  # AdamW weight decay
+    module_lr_mult: float = 10.0  # learning-rate multiplier of adapters, prompts (and the head by default)
+    head_lr_mult: Optional[float] = None  # learning-rate multiplier of the head; null: module_lr_mult
+    proxy_lr_mult: float = 1e4  # learning-rate multiplier of the loss proxies
     warmup_steps: int = 0  # linear learning-rate warm-up over the first optimiser steps; 0: none
-    backbone_lr_mult: float = 1.0  # only used by methods that train backbone weights
-    step_epochs: int = 20
-    gamma: float = 0.5
-    clip_value: float = 1.0
+    backbone_lr_mult: float = 1.0  # learning-rate multiplier of backbone weights (methods that train them)
+    step_epochs: int = 20  # the learning rate is multiplied by gamma every step_epochs epochs
+    gamma: float = 0.5  # learning-rate decay factor of each step
+    clip_value: float = 1.0  # gradients clipped by value to +-clip_value
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"optim.lr={self.lr!r} must be > 0")
@@ -296,14 +304,15 @@ class DataConfig:
     uri: str = "artifacts/data/demo"  # prepared dataset root (local path or s3://)
     preset: str = "demo"  # how a missing data.uri is built: demo | cub | cars | ... ('' = never)
     source_root: str = "../shared/data"  # raw data: the demo's sample folders, or a named preset's release
-    fashion_mnist_dir: str = "/usr/share/datasets/fashion-mnist"
-    datasets: Optional[list[str]] = None  # None: all datasets in the manifest
+    fashion_mnist_dir: str = "/usr/share/datasets/fashion-mnist"  # demo: Debian's Fashion-MNIST IDX files
+    datasets: Optional[list[str]] = None  # datasets of the manifest to use; null: all of them
     val_fraction: float = 0.0  # fraction of training classes held out for validation (tune)
-    shard_rows: int = 2000
-    max_images_per_class: Optional[int] = None  # demo: per-class cap of cub/flowers/omniglot (None: 12)
+    shard_rows: int = 2000  # prepare: rows per Parquet shard (a shard also closes at 256 MiB of images)
+    max_images_per_class: Optional[int] = None  # demo: per-class cap of cub/flowers/omniglot (null: 12)
     fashion_mnist_per_class: int = 400  # demo: per-class cap of Fashion-MNIST, the large, dominant dataset
-    num_decode_cpus: float = 0.5
-    rejects_uri: str = ""  # default: <train.storage_path>/<train.run_name>/data_rejects.jsonl
+    num_decode_cpus: float = 0.5  # CPUs reserved per Ray Data read/decode task (fractional: beside workers)
+    rejects_uri: str = ""  # where training lists rejected images (prepare's and decode's); ''
+    # = <train.storage_path>/<train.run_name>/data_rejects.jsonl
     min_image_size: int = 16  # images whose shorter side is below this are rejected as tiny
     shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | local (block order) | none
     shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
@@ -322,15 +331,38 @@ class DataConfig:
 
 
 @dataclass
+class RetryConfig:
+    """puma.storage's one retry policy: transient S3 errors (connection refused or reset, timeouts,
+    5xx, throttling) are retried; permanent ones (403, a missing bucket, a bad endpoint) are not."""
+
+    max_attempts: int = 6  # attempts per storage call, the first included (1: never retry)
+    initial_backoff_s: float = 0.25  # wait before the first retry; doubles each retry (with jitter)
+    max_backoff_s: float = 4.0  # cap of one wait between attempts
+    max_elapsed_s: float = 10.0  # no retry starts after this many seconds: how soon a dead endpoint
+    # is reported; raise it to ride out longer outages
+
+    def __post_init__(self) -> None:
+        _check(self.max_attempts >= 1, f"storage.retry.max_attempts={self.max_attempts!r} must be >= 1 "
+                                       "(1: never retry)")
+        for name in ("initial_backoff_s", "max_backoff_s", "max_elapsed_s"):
+            _check(getattr(self, name) >= 0, f"storage.retry.{name}={getattr(self, name)!r} must be >= 0")
+
+
+@dataclass
 class StorageConfig:
     """S3 settings; credentials come from the standard AWS chain, never from config."""
 
-    endpoint_url: str = ""  # e.g. http://127.0.0.1:8333 for SeaweedFS / MinIO
-    region: str = "us-east-1"
-    retries: int = 5
+    endpoint_url: str = ""  # S3-compatible endpoint, e.g. http://127.0.0.1:8333 (SeaweedFS, MinIO);
+    # '' = AWS_ENDPOINT_URL if set, else AWS S3
+    region: str = ""  # AWS region of the buckets; '' = AWS_REGION or AWS_DEFAULT_REGION, else us-east-1
+    connect_timeout_s: float = 3.0  # seconds to wait for a TCP connection to the endpoint
+    retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
-        _check(self.retries >= 0, "storage.retries must be >= 0")
+        problem = storage.endpoint_problem(self.endpoint_url)
+        _check(not problem, f"storage.endpoint_url={problem}")
+        _check(self.connect_timeout_s > 0,
+               f"storage.connect_timeout_s={self.connect_timeout_s!r} must be > 0")
 
 
 # ----------------------------------------------------------------------------- training
@@ -338,23 +370,23 @@ class StorageConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 100
+    epochs: int = 100  # training epochs
     batch_size: int = 720  # global batch, drawn uniformly from the union
-    num_workers: int = 1
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 1.0
+    num_workers: int = 1  # Ray Train workers (DDP ranks)
+    use_gpu: bool = False  # one GPU share per worker (train.gpus_per_worker)
+    cpus_per_worker: float = 1.0  # CPUs reserved per worker (fractional leaves room for decoding)
+    gpus_per_worker: float = 1.0  # GPUs per worker when train.use_gpu
     precision: str = "bf16"  # autocast dtype on GPU: bf16 | fp16 | fp32
-    seed: int = 0
-    max_steps_per_epoch: Optional[int] = None
-    storage_path: str = "artifacts/runs"
-    run_name: str = "puma"
+    seed: int = 0  # seeds model init, shuffles and augmentation
+    max_steps_per_epoch: Optional[int] = None  # cap on optimiser steps per epoch (null: the whole epoch)
+    storage_path: str = "artifacts/runs"  # where runs live (local or s3://): <storage_path>/<run_name>
+    run_name: str = "puma"  # the run's folder; re-running the same name resumes it
     eval_every: int = 1  # epochs between evaluations (0: never)
     eval_before: bool = True  # also evaluate the frozen backbone before training (the 'before' column)
     eval_split: str = "test"  # split evaluated during training: test | val (sweeps use val)
-    best_metric: str = "harmonic/r@1"
-    max_failures: int = 2
-    checkpoints_to_keep: int = 2
+    best_metric: str = "harmonic/r@1"  # the metric that picks <run>/best
+    max_failures: int = 2  # worker failures Ray Train recovers from (restarting from the last checkpoint)
+    checkpoints_to_keep: int = 2  # the newest checkpoints kept (best/ is kept apart)
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs must be >= 1")
@@ -367,9 +399,9 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    batch_size: int = 128
-    query_chunk: int = 4096
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # the k of the Recall@k reported
+    batch_size: int = 128  # images per forward pass when embedding for evaluation
+    query_chunk: int = 4096  # queries searched at once (bounds the similarity matrix in memory)
 
     def __post_init__(self) -> None:
         _check(len(self.ks) > 0 and all(k >= 1 for k in self.ks), "eval.ks must be positive ints")
@@ -391,10 +423,10 @@ class IndexConfig:
     pq_m: int = 0  # IVF-PQ bytes per code (sub-quantizers, divides E); 0: auto from the budget
     nprobe: int = 16  # IVF lists visited per query
     shard_size: int = 250_000  # items per shard
-    memory_budget_gb: float = 8.0  # the whole index in memory at search time
+    memory_budget_gb: float = 8.0  # memory the whole index may take at search time (picks the type)
     flat_max_items: int = 200_000  # auto: exact search up to this many items
     train_sample: int = 0  # vectors used to train IVF; 0: auto, min(N, 64*nlist) and >= 39*nlist
-    seed: int = 0
+    seed: int = 0  # seeds the IVF training sample and k-means
     use_gpu: bool = True  # FAISS GPUs for training and search when faiss.get_num_gpus() > 0
     query_chunk: int = 65536  # queries searched at once (bounds merge memory)
 
@@ -449,6 +481,70 @@ class EmbedConfig:
                                          "(0: the first catalogue's size)")
 
 
+# ----------------------------------------------------------------------------- online search
+
+SERVE_GPU_MODES = ("auto", "always", "never")
+
+
+@dataclass
+class ServeConfig:
+    """The online search service (jobs/serve.py, puma/serve): Ray Serve over the index at index.uri.
+
+    Image queries are embedded by the checkpoint the index was built with (embed.checkpoint, '' =
+    <train.storage_path>/<train.run_name>/best); its model id must equal the index's. Replicas of
+    the model and index deployments autoscale between their min and max on ongoing requests.
+    """
+
+    host: str = "127.0.0.1"  # where Serve's HTTP proxy listens (0.0.0.0 inside a pod)
+    port: int = 8000
+    app_name: str = "puma-search"
+    image_queries: bool = True  # false: no model deployment; vector and item-id queries only
+    default_k: int = 10  # hits when a request names no k
+    max_k: int = 100  # the largest k a request may ask for
+    max_upload_bytes: int = 10 * 1024 * 1024  # request bodies above this get 413
+    max_image_pixels: int = 40_000_000  # images of more pixels (width x height) get 413
+    max_batch_size: int = 16  # query images embedded in one forward (@serve.batch)
+    batch_wait_timeout_s: float = 0.005  # how long a batch waits to fill
+    gpu: str = "auto"  # auto: GPUs when the cluster has some at start | always | never
+    model_min_replicas: int = 1
+    model_max_replicas: int = 2
+    model_num_cpus: float = 1.0  # CPUs per model replica (torch threads follow it)
+    model_num_gpus: float = 1.0  # GPUs per model replica when GPUs are used
+    index_min_replicas: int = 1
+    index_max_replicas: int = 2
+    index_num_cpus: float = 1.0
+    index_num_gpus: float = 0.5  # GPUs per index replica when GPUs are used (faiss-gpu)
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
+    target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
+    watch_interval_s: float = 10.0  # how often replicas look for new shards in the manifest
+    token_env: str = "PUMA_SERVE_TOKEN"  # a non-empty value there requires `Authorization: Bearer <it>`
+    access_log: bool = False  # one log line per request in the replicas' logs
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "serve.host must be an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+        _check_range("serve.port", self.port, 1, 65535)
+        _check(bool(self.app_name), "serve.app_name must be set, e.g. puma-search")
+        _check_range("serve.max_k", self.max_k, 1, 10_000)
+        _check_range("serve.default_k", self.default_k, 1, self.max_k)
+        _check(self.max_upload_bytes >= 1024, "serve.max_upload_bytes must be >= 1024")
+        _check(self.max_image_pixels >= 256, "serve.max_image_pixels must be >= 256")
+        _check_range("serve.max_batch_size", self.max_batch_size, 1, 4096)
+        _check_range("serve.batch_wait_timeout_s", self.batch_wait_timeout_s, 0.0, 10.0)
+        _check_choice("serve.gpu", self.gpu, SERVE_GPU_MODES)
+        for part in ("model", "index"):
+            low, high = getattr(self, f"{part}_min_replicas"), getattr(self, f"{part}_max_replicas")
+            _check(1 <= low <= high, f"serve.{part}_min_replicas={low} and serve.{part}_max_replicas={high}: "
+                                     "need 1 <= min <= max")
+        for name in ("model_num_cpus", "index_num_cpus", "ingress_num_cpus"):
+            _check(getattr(self, name) > 0, f"serve.{name}={getattr(self, name)!r} must be > 0")
+        for name in ("model_num_gpus", "index_num_gpus"):
+            _check(getattr(self, name) >= 0, f"serve.{name}={getattr(self, name)!r} must be >= 0")
+        _check(self.ingress_replicas >= 1, "serve.ingress_replicas must be >= 1")
+        _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
+        _check(self.watch_interval_s > 0, "serve.watch_interval_s must be > 0 seconds")
+
+
 # ----------------------------------------------------------------------------- sweep
 
 
@@ -463,14 +559,14 @@ class SweepConfig:
     name: str = "sweep"  # the sweep lives at <storage_path>/<name>; re-running the same name resumes it
     storage_path: str = ""  # local or s3:// (shared storage on a cluster); '' = <train.storage_path>/sweeps
     space_file: str = ""  # search-space YAML of dotted config keys; '' = tune/search_space.yaml
-    num_samples: int = 8  # trials
-    max_concurrent_trials: int = 1
+    num_samples: int = 8  # trials to run
+    max_concurrent_trials: int = 1  # trials running at once
     metric: str = "harmonic/r@1"  # the objective, a validation metric reported every epoch
-    mode: str = "max"  # max | min
+    mode: str = "max"  # whether sweep.metric is maximised or minimised: max | min
     seed: int = 0  # Optuna TPE sampler seed
     grace_period: int = 1  # ASHA: epochs every trial runs before it may be stopped
     reduction_factor: int = 2  # ASHA: keep the top 1/reduction_factor at each rung
-    cpus_per_trial: float = 0.25  # the trial's driver function (its workers take train.cpus_per_worker)
+    cpus_per_trial: float = 0.25  # CPUs of each trial's driver (its workers take train.cpus_per_worker)
     val_fraction: float = 0.2  # training classes held out for the objective (data.val_fraction in trials)
     resume: bool = True  # an existing sweep of the same name: resume it (false: refuse to touch it)
 
@@ -500,6 +596,7 @@ class Config:
     index: IndexConfig = field(default_factory=IndexConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 # ----------------------------------------------------------------------------- machinery
@@ -550,8 +647,10 @@ def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
     where = prefix or "config"
-    _check(not unknown, f"unknown key(s) {[_join(prefix, u) for u in unknown]} in {where}; "
-                        f"valid keys: {sorted(_join(prefix, k) for k in types_)}")
+    valid = sorted(_join(prefix, k) for k in types_)
+    _check(not unknown, f"unknown key(s) {[_join(prefix, u) for u in unknown]} in {where}"
+                        f"{_did_you_mean(_join(prefix, unknown[0]), valid) if unknown else ''}; "
+                        f"valid keys: {valid}")
     kwargs = {k: _coerce(_join(prefix, k), v, types_[k]) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -566,8 +665,8 @@ def to_dict(cfg: Any) -> dict:
 
 
 def from_dict(data: dict, cls: type = Config) -> Any:
-    """Build and validate a config from nested dicts; unknown keys are errors."""
-    return _from_dict(cls, data)
+    """Build and validate a config from nested dicts; unknown keys are errors (renamed ones move)."""
+    return _from_dict(cls, _upgrade(data) if cls is Config else data)
 
 
 def valid_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
@@ -580,6 +679,82 @@ def valid_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = tp
     return out
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's description, from the source: the comment ending its line, continued by comment
+    lines right below it (so ``--help-config`` cannot drift from the code)."""
+    source = inspect.getsource(cls)
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            parts = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            below = node.end_lineno + 1
+            while below <= len(lines) and lines[below - 1].strip().startswith("#"):
+                parts.append(comments[below])
+                below += 1
+            docs[node.target.id] = " ".join(parts)
+    return docs
+
+
+def describe_keys(cls: type = Config, prefix: str = "",
+                  defaults: Any = None) -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) of every leaf key, in declaration order."""
+    defaults = cls() if defaults is None else defaults
+    out = []
+    docs = field_docs(cls)
+    for name, tp in _field_types(cls).items():
+        key, value = _join(prefix, name), getattr(defaults, name)
+        if _is_dataclass_type(tp):
+            out += describe_keys(tp, key, value)
+        else:
+            out.append((key, _type_name(tp), _show(value), docs.get(name, "")))
+    return out
+
+
+def help_config_lines() -> list[str]:
+    """``--help-config``: one line per key with its type, default and description."""
+    return [f"{key} ({tp}, default {default}): {doc}" for key, tp, default, doc in describe_keys()]
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp)).replace("NoneType", "null")
+    return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp).replace("typing.", "")
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value)
+
+
+# Keys renamed since configs were first saved (checkpoints keep theirs): old key -> (new key, convert).
+RENAMED_KEYS: dict[str, tuple[str, Any]] = {
+    "storage.retries": ("storage.retry.max_attempts", lambda retries: int(retries) + 1),
+}
+
+
+def _upgrade(data: dict | None) -> dict | None:
+    """A copy of nested config dicts with renamed keys moved to their new names."""
+    if not data:
+        return data
+    data = copy.deepcopy(data)
+    for old, (new, convert) in RENAMED_KEYS.items():
+        *parents, leaf = old.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            value = convert(node.pop(leaf))
+            *new_parents, new_leaf = new.split(".")
+            target = data
+            for part in new_parents:
+                target = target.setdefault(part, {})
+            target.setdefault(new_leaf, value)
+    return data
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -605,14 +780,35 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
     """Set ``data[a][b][c] = value`` for ``key='a.b.c'``; the key must exist in Config."""
     keys = valid_keys()
     if key not in keys:
-        close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
-        hint = f"; did you mean {close}?" if close else "; run with --help-config to list keys"
-        raise ConfigError(f"unknown config key {key!r}{hint}")
+        raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, keys)}; --help-config lists "
+                          "every key")
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
+
+
+def _did_you_mean(key: str, valid: typing.Iterable[str]) -> str:
+    """`` (did you mean 'train.epochs'?)`` naming the closest valid keys (difflib); '' when none is close.
+
+    Keys with the same last part win (``epochs`` -> ``train.epochs``), else keys of the same section
+    spelled alike in their last part (``train.epoch``), else keys spelled alike as a whole.
+    """
+    valid = sorted(valid)
+    leaf = key.rsplit(".", 1)[-1]
+    section = key.rpartition(".")[0]
+    same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
+    whole = difflib.get_close_matches(key, valid, n=3, cutoff=0.75)
+    siblings = {k.rsplit(".", 1)[-1]: k for k in valid if k.rpartition(".")[0] == section}
+    by_leaf = [siblings[m] for m in difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.6)]
+    close = (same_leaf or by_leaf or whole)[:3]
+    return f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
+
+
+def _section_keys(prefix: str, section: dict) -> list[str]:
+    """Dotted names of a config section's keys (YAML merge: what a misspelt key may have meant)."""
+    return [_join(prefix, k) for k in section]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -621,16 +817,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = to_dict(Config())
     for layer in (base, _read_yaml(path) if path else None):
         if layer:
-            _merge(data, layer)
+            _merge(data, _upgrade(layer))
     for text in overrides or []:
         key, value = parse_override(text)
+        if key in RENAMED_KEYS:
+            key, value = RENAMED_KEYS[key][0], RENAMED_KEYS[key][1](value)
         set_dotted(data, key, value)
     return from_dict(data)
 
 
 def _read_yaml(path: str | Path) -> dict:
     text = storage.read_text(str(path))
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from exc
     _check(isinstance(data, dict), f"config file {path}: expected a mapping at the top level")
     return data
 
@@ -642,7 +843,8 @@ def _merge(dst: dict, src: dict, prefix: str = "") -> None:
         if isinstance(value, dict) and isinstance(dst.get(key), dict) and full not in leaves:
             _merge(dst[key], value, full)
         else:
-            _check(key in dst, f"unknown config key {full!r}; valid keys: {sorted(dst)}")
+            hint = _did_you_mean(full, _section_keys(prefix, dst))
+            _check(key in dst, f"unknown config key {full!r}{hint}; valid keys: {sorted(dst)}")
             dst[key] = value
 
 

@@ -1,27 +1,203 @@
-"""Starting or joining Ray for the jobs: one place for how a driver attaches to a cluster."""
+"""Starting or joining Ray for the jobs: how a driver attaches to a cluster, and what of Ray's own
+output reaches the console.
+
+By default (quiet) the console shows our lines and progress only: Ray's driver-side logs below
+ERROR, Ray Data's console logs, Ray's Python warnings, and everything the workers write that is not
+ours (actor start-up messages, Ray Train and Ray Data INFO/WARNING lines, C++ core-worker logs,
+library banners) stay in Ray's session logs, whose folder the driver names. Lines of the
+autoscaler (a resource request no node can meet) still show. ``--verbose`` shows all of it again.
+
+Worker output still flows to the driver (``log_to_driver``); :func:`route_worker_output` takes
+our lines and progress events out of it (:func:`puma.console.take_remote_line`) and hands the rest
+to Ray's own printer only in verbose mode.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import socket
 import tempfile
+import warnings
+
+from puma import console
+from puma.errors import UserError, one_line
+
+# Environment of every Ray worker of a job started here (unless the job's own runtime env sets it):
+# progress leaves workers as events for the driver; Ray Train's print patch (which writes every
+# print() of a Train worker twice, to stdout and to a logger on stderr) stays off.
+WORKER_ENV = {console.CONSOLE_ENV: "events", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # Ray's own variable: the local head's GCS port (0/unset: any free one)
+CONNECT_TIMEOUT_S = 5.0
+# Cluster messages that say nothing a user can act on: Ray's raylet warns whenever more Python workers
+# start than physical cores, which fractional-CPU actors and tasks (our design on small machines) do.
+BENIGN_CLUSTER_MESSAGES = ("PYTHON worker processes have been started on node",)
 
 
-def init_ray(local_cpus: int | None = None) -> str:
+class RayStartError(UserError):
+    """Ray could not be started or joined (no cluster at RAY_ADDRESS, a port in use); says what to do."""
+
+
+def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
     """Join the cluster named by RAY_ADDRESS (as ``ray job submit`` sets it) or start a local one.
 
     A local Ray binds to 127.0.0.1 only and gets at least 4 logical CPUs, so Train workers with
     fractional CPUs can never starve Ray Data's read and decode tasks on a 2-core machine.
+    ``verbose`` (default: the job's ``--verbose``) lets Ray's own output through to the console.
     Returns a short description of where the driver is attached.
     """
     import ray
 
     if ray.is_initialized():
         return "already initialised"
+    verbose = console.is_verbose() if verbose is None else verbose
+    quiet_ray_logging(verbose)
+    options = {"log_to_driver": True, "logging_level": logging.INFO if verbose else logging.ERROR,
+               "runtime_env": {"env_vars": {k: v for k, v in WORKER_ENV.items() if k not in os.environ}}}
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
-        return f"cluster at {address}"
-    cpus = local_cpus or max(4, os.cpu_count() or 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _temp_dir=os.environ.get("PUMA_RAY_TMP", os.path.join(tempfile.gettempdir(), "ray-puma")))
-    return f"local Ray ({cpus} logical CPUs)"
+        check_cluster_address(address)
+        try:
+            ray.init(address=address, **options)
+        except ConnectionError as exc:
+            raise RayStartError(f"no Ray cluster at RAY_ADDRESS={address}: {one_line(exc)}; start one "
+                                "(`ray start --head`) or unset RAY_ADDRESS for a local Ray") from exc
+        where = f"cluster at {address}"
+    else:
+        check_local_ports()
+        cpus = local_cpus or max(4, os.cpu_count() or 1)
+        temp_dir = os.environ.get("PUMA_RAY_TMP", os.path.join(tempfile.gettempdir(), "ray-puma"))
+        try:
+            ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+                     **options)
+        except RuntimeError as exc:
+            raise _start_error(exc) from exc
+        where = f"local Ray ({cpus} logical CPUs)"
+    route_worker_output(verbose)
+    logs = _session_logs()
+    return where + (f"; Ray's own logs: {logs} (--verbose shows them here)" if logs and not verbose else "")
+
+
+def check_cluster_address(address: str) -> None:
+    """Fail in seconds, not after Ray's five-minute wait, when nothing listens at RAY_ADDRESS."""
+    if address in ("auto", "local"):
+        return  # Ray finds (or refuses) these itself, quickly
+    scheme, _, rest = address.rpartition("://")
+    if scheme in ("http", "https"):
+        raise RayStartError(f"RAY_ADDRESS={address} is a dashboard (Jobs API) address: give it to "
+                            "`ray job submit --address`, or set RAY_ADDRESS to the cluster's GCS address "
+                            "host:6379, or unset it for a local Ray")
+    host, _, port = rest.rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise RayStartError(f"RAY_ADDRESS={address!r} is not host:port (e.g. 10.0.0.5:6379); "
+                            "unset it to start a local Ray")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise RayStartError(f"no Ray cluster at RAY_ADDRESS={address} ({exc.strerror or exc}): start one "
+                            f"there (`ray start --head --port={port}`) or unset RAY_ADDRESS for a local "
+                            "Ray") from exc
+
+
+def check_local_ports() -> None:
+    """A fixed port for the local Ray (RAY_GCS_SERVER_PORT) must be free: say so before Ray tries."""
+    port = os.environ.get(GCS_PORT_ENV, "")
+    if not port.strip() or port.strip() == "0":
+        return
+    if not port.strip().isdigit():
+        raise RayStartError(f"{GCS_PORT_ENV}={port!r} is not a port number; unset it to let Ray pick one")
+    with socket.socket() as s:
+        try:
+            s.bind(("", int(port)))
+        except OSError as exc:
+            raise RayStartError(f"port {port} ({GCS_PORT_ENV}) is in use ({exc.strerror}): stop what holds "
+                                f"it, or unset {GCS_PORT_ENV} to let Ray pick a free port") from exc
+
+
+def _start_error(exc: RuntimeError) -> Exception:
+    """Ray's start-up failure as a one-line RayStartError when it is a port in use, else as it was."""
+    text = str(exc)
+    if "Address already in use" in text or "The specified port is" in text:
+        return RayStartError(f"the local Ray could not bind a port (in use): {one_line(exc)[:300]}; "
+                             f"stop what holds it or unset {GCS_PORT_ENV}")
+    return exc
+
+
+def quiet_ray_logging(verbose: bool) -> None:
+    """Driver side: Ray's loggers and Ray Data's console at ERROR, Ray's Python warnings off (not verbose)."""
+    import ray.data  # configures its own logger on import: adjust it after
+
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("ray").setLevel(level)
+    for handler in logging.getLogger("ray.data").handlers:  # Ray Data's file log keeps every level
+        if handler.get_name() == "console":
+            handler.setLevel(level)
+    ray.data.DataContext.get_current().enable_progress_bars = verbose  # ours show instead
+    if not verbose:
+        warnings.filterwarnings("ignore", module=r"ray(\.|$)")
+
+
+def route_worker_output(verbose: bool) -> None:
+    """Take our lines and progress events out of the workers' forwarded output; the rest only if verbose.
+
+    Uses Ray's internal dispatcher of forwarded output (Ray is pinned; tests/test_console.py checks
+    the console end to end); another Ray without it keeps its own printing.
+    """
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    if not verbose:
+        _patch_cluster_messages()
+    ray_printer = dict(dispatcher.handlers).get("ray_print_logs")
+    if ray_printer is None or getattr(ray_printer, "func", None) is _route:
+        return
+    dispatcher.remove_handler("ray_print_logs")  # same name: ray.shutdown() removes ours
+    dispatcher.add_handler("ray_print_logs", functools.partial(_route, ray_printer, verbose))
+
+
+def _route(ray_printer, verbose: bool, data: dict) -> None:
+    """One batch of forwarded worker lines: ours to the console, the rest to Ray's printer or away."""
+    rest = [line for line in data.get("lines", []) if not console.take_remote_line(line)]
+    if rest and (verbose or data.get("pid") == "autoscaler"):
+        with console.outside_bar():
+            ray_printer({**data, "lines": rest})
+
+
+def _patch_cluster_messages() -> None:
+    """Drop the cluster's known-benign messages from the console (quiet mode), keep the rest.
+
+    Ray prints the cluster's error channel (out-of-memory kills, resource requests no node can
+    meet, crashed workers) through ``ray._private.worker.print_to_stdstream``, not through the
+    forwarded worker output; only :data:`BENIGN_CLUSTER_MESSAGES` are dropped from it.
+    """
+    from ray._private import worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "puma_filter", False):
+        return
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        lines = [line for line in data.get("lines", []) if not _benign(line)]
+        if lines:
+            with console.outside_bar():
+                original({**data, "lines": lines}, ignore_prefix)
+
+    print_to_stdstream.puma_filter = True
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+def _benign(line: str) -> bool:
+    return any(message in line for message in BENIGN_CLUSTER_MESSAGES)
+
+
+def _session_logs() -> str:
+    """The local Ray session's log folder ('' when unknown)."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        return os.path.join(node.get_session_dir_path(), "logs") if node is not None else ""
+    except (AttributeError, ImportError):
+        return ""

@@ -30,7 +30,7 @@ import pytest
 from PIL import Image
 
 from puma import storage
-from puma.config import StorageConfig
+from puma.config import RetryConfig, StorageConfig
 
 AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "puma-test-access-key",
@@ -64,7 +64,8 @@ class S3Server:
 
     @property
     def storage_config(self) -> StorageConfig:
-        return StorageConfig(endpoint_url=self.endpoint, region=AWS_TEST_ENV["AWS_REGION"], retries=2)
+        return StorageConfig(endpoint_url=self.endpoint, region=AWS_TEST_ENV["AWS_REGION"],
+                             retry=RetryConfig(max_attempts=3))
 
     def uri(self, *parts: str) -> str:
         return "/".join([f"s3://{self.bucket}", *parts])

@@ -1,9 +1,11 @@
 """Round trip through a real S3 server: raw release on s3:// -> prepare -> s3:// -> Ray Data stream.
 
 The release holds awkward images and one listed object that does not exist. Outcome, by design:
-corrupt, truncated and tiny images and the missing object are rejected (listed in the rejects file
-with their reason); CMYK, palette and grayscale images are converted to RGB and arrive like all
-other good images, each exactly once.
+the missing object and the corrupt and truncated images are rejected once, by prepare (listed in
+<prepared>/rejects/prepare.jsonl, never in a shard); the tiny image decodes but is below the job's
+data.min_image_size, so the stream rejects it; the training rejects file lists all four with their
+reason and stage. CMYK, palette and grayscale images are converted to RGB and arrive like all other
+good images, each exactly once.
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ def test_s3_round_trip_with_bad_images_and_a_missing_object(ray_cluster, s3_stor
     report = prepare(specs, out, shard_rows=4, log=lambda _: None)
     manifest = load_manifest(out)  # read back from S3
     assert manifest.data == report.manifest.data and verify_shards(manifest) == []
-    assert manifest.data["totals"]["rows"] == len(kinds) - 1  # everything but the missing object
+    at_prepare = {i: ("missing_file" if k == "missing" else k) for i, k in kinds.items()
+                  if k in ("missing", "corrupt", "truncated")}
+    assert manifest.data["totals"]["rows"] == len(kinds) - len(at_prepare) == len(kinds) - 3
+    prepare_rows = read_rejects(manifest.rejects_uri)  # on S3, beside the shards
+    assert {r["item_id"]: r["reason"] for r in prepare_rows} == at_prepare
+    assert {r["stage"] for r in prepare_rows} == {"prepare"}
+    truncated = next(r for r in prepare_rows if r["reason"] == "truncated")
+    assert "truncated" in truncated["detail"] and truncated["source_path"].startswith("s3://")
 
     rejects_uri = storage.join(s3_storage, "run", "data_rejects.jsonl")
     cfg = load_config(None, [f"data.uri={out}", f"data.rejects_uri={rejects_uri}",
@@ -65,7 +74,8 @@ def test_s3_round_trip_with_bad_images_and_a_missing_object(ray_cluster, s3_stor
                                                       for n, x in converted}
     rows = read_rejects(rejects_uri)
     assert {r["item_id"]: r["reason"] for r in rows} == bad  # exactly the bad items, once each
-    assert {r["stage"] for r in rows} == {"prepare", "decode"} and len(rows) == len(bad) == 4
+    assert {r["item_id"] for r in rows if r["stage"] == "prepare"} == set(at_prepare)  # found once
+    assert [r["reason"] for r in rows if r["stage"] == "decode"] == ["tiny"] and len(rows) == len(bad) == 4
 
     again = prepare(specs, out, shard_rows=4, log=lambda _: None)
     assert again.written == [] and not again.manifest_changed  # idempotent on S3 too

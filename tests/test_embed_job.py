@@ -240,6 +240,28 @@ def test_unreadable_images_are_rejected_and_listed_and_the_job_completes(ray_clu
     assert rc == 2 and "build a new index for the new model" in capsys.readouterr().err
 
 
+def test_a_prepared_catalogue_lists_prepares_rejects_beside_its_own(ray_cluster, checkpoint, tmp_path):
+    special = {name: data for name, (data, _) in special_images().items()}
+    kinds = write_cub_tree(tmp_path / "raw", num_classes=2, per_class=2, special=special, missing=("gone",))
+    prepared = tmp_path / "prepared"
+    prepare([SourceSpec("cub", "cub", str(tmp_path / "raw"))], str(prepared), shard_rows=4,
+            log=lambda _: None)
+    at_prepare = {i: ("missing_file" if k == "missing" else k) for i, k in kinds.items()
+                  if k in ("missing", "corrupt", "truncated")}
+    assert {r["item_id"]: r["reason"] for r in read_rejects(str(prepared / "rejects" / "prepare.jsonl"))} \
+        == at_prepare  # found once, by prepare: never in a shard
+    report = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(prepared))
+    rows = read_rejects(report.rejects_uri)
+    assert {r["item_id"]: r["stage"] for r in rows} == {**{i: "prepare" for i in at_prepare},
+                                                       "cub/images/002.Class_2/tiny.png": "decode"}
+    assert report.rejected == 4 and report.reject_reasons == {"corrupt": 1, "missing_file": 1, "tiny": 1,
+                                                              "truncated": 1}
+    assert report.embedded == len(kinds) - 4  # cmyk, palette and grayscale included
+    text = Path(report.rejects_uri).read_text()
+    again = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(prepared))  # a re-run adds nothing
+    assert (again.embedded, again.rejected) == (0, 4) and Path(report.rejects_uri).read_text() == text
+
+
 def test_watch_embeds_each_new_catalogue_once(ray_cluster, checkpoint, tmp_path, capsys):
     prefix = tmp_path / "catalogues"
     image_catalogue(prefix, "one", n_real=3, n_generated=2)
@@ -278,9 +300,8 @@ def test_help_and_bad_config(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_help:
         job.main(["--help"])
     assert exit_help.value.code == 0 and "--watch" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_bad:
-        job.main(["--catalogue", str(tmp_path), "embed.concurrency=0"])
-    assert exit_bad.value.code == 2 and "embed.concurrency=0 must be >= 1" in capsys.readouterr().err
+    assert job.main(["--catalogue", str(tmp_path), "embed.concurrency=0"]) == 2  # one line, no traceback
+    assert "embed.concurrency=0 must be >= 1" in capsys.readouterr().err
     assert job.main([]) == 2 and "--catalogue" in capsys.readouterr().err
     result = subprocess.run([sys.executable, str(EMBED_JOB), "--catalogue", "x", "embed.split=val"],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -232,6 +232,34 @@ def test_second_catalogue_extends_without_touching_existing_shards(tmp_path: Pat
         add_items(uri, catalogue(5, prefix="new")[0], model_id="m2")
 
 
+def test_refreshed_loads_only_new_shards_and_equals_a_fresh_open(tmp_path: Path) -> None:
+    """A served index picks up new shards: the loaded ones are kept (same objects), only the new ones
+    are read, and the result searches exactly like the index opened from scratch; a rebuild (another
+    trained index) is opened anew."""
+    uri = str(tmp_path / "index")
+    first, x1 = catalogue(300, prefix="cub")
+    build_index(uri, first, IndexConfig(index_type="ivf_flat", nlist=8, shard_size=128), model_id="m1")
+    served = ShardedIndex.open(uri, nprobe=4, use_gpu=False)
+    assert served.refreshed() is served  # nothing new
+    second, x2 = catalogue(200, prefix="cars", seed=5)
+    add_items(uri, second, model_id="m1")
+    reads = []
+    real_read = index_backend.deserialize
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(index_backend, "deserialize", lambda data: reads.append(len(data)) or real_read(data))
+        fresh = served.refreshed()
+    assert len(reads) == 2 and served.extended_by(fresh.manifest)  # shard-00003 and shard-00004 only
+    assert fresh._shards[:3] == served._shards and fresh.ntotal == 500 and served.ntotal == 300
+    q = np.concatenate([x1[:20], x2[:20], catalogue(20, seed=9)[1]])
+    reopened = ShardedIndex.open(uri, nprobe=4, use_gpu=False)
+    for got, want in zip(fresh.search(q, 7), reopened.search(q, 7), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert fresh.lookup(["cars/00199"]).tolist() == [499]
+    rebuild(uri, str(tmp_path / "other"), IndexConfig(index_type="flat"))
+    other = ShardedIndex.open(str(tmp_path / "other"), use_gpu=False)
+    assert not fresh.extended_by(other.manifest)
+
+
 def test_duplicate_item_ids_are_skipped_and_counted(tmp_path: Path) -> None:
     uri = str(tmp_path)
     table, x = catalogue(100)

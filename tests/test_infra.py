@@ -241,7 +241,9 @@ def test_every_pod_template_is_restricted_bounded_and_pinned(overlay):
     found = templates(overlay)
     wheres = " ".join(t.where for t in found)
     for part in ("RayCluster/puma.headGroupSpec", "workerGroupSpecs[gpu]", "workerGroupSpecs[cpu]",
-                 "RayJob/puma-train.submitterPodTemplate", "RayJob/puma-sweep.submitterPodTemplate"):
+                 "RayJob/puma-train.submitterPodTemplate", "RayJob/puma-sweep.submitterPodTemplate",
+                 "RayService/puma-search.rayClusterConfig.headGroupSpec",
+                 "RayService/puma-search.rayClusterConfig.workerGroupSpecs[gpu]"):
         assert part in wheres
     if overlay == "prod":
         assert "CronJob/puma-embed-cron" in wheres
@@ -345,13 +347,13 @@ def test_prod_gets_s3_through_irsa_with_no_key_anywhere():
                         account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"])
     ray_pods = [t for t in templates("prod") if t.ray_group or "submitter" in t.where]
     assert ray_pods and all(t.spec["serviceAccountName"] == "puma-ray" for t in ray_pods)
-    assert check.required_secrets(objs) == {"puma-ray-auth"}
+    assert check.required_secrets(objs) == {"puma-ray-auth", "puma-serve-token"}
     assert not [o for o in objs if o["kind"] == "Secret"]
 
 
 def test_dev_references_its_s3_keys_and_never_contains_them():
     objs = objects("dev")
-    assert check.required_secrets(objs) == {"puma-ray-auth", "puma-s3-credentials"}
+    assert check.required_secrets(objs) == {"puma-ray-auth", "puma-s3-credentials", "puma-serve-token"}
     ray_containers = [c for t in templates("dev") if t.ray_group for c in t.spec["containers"]]
     assert ray_containers and all({"secretRef": {"name": "puma-s3-credentials"}} in c.get("envFrom", [])
                                   for c in ray_containers)
@@ -402,6 +404,7 @@ def test_head_ports_stay_inside_the_namespace(overlay):
 
 
 OPERATOR_POLICY = "puma-ray-head-from-kuberay-operator"
+SEARCH_POLICY = "puma-search-from-clients"
 
 
 def _rule(objs: list[dict], policy: str) -> dict:
@@ -424,6 +427,14 @@ EXPOSURES = {
     "policy rule without sources": lambda objs: _rule(objs, OPERATOR_POLICY).pop("from"),
     "operator allowed every port": lambda objs: _rule(objs, OPERATOR_POLICY).pop("ports"),
     "no policy at all": lambda objs: [objs.remove(o) for o in list(objs) if o["kind"] == "NetworkPolicy"],
+    "search port open to every namespace": lambda objs: _rule(objs, SEARCH_POLICY)["from"][0].update(
+        namespaceSelector={}),
+    "search policy without ports": lambda objs: _rule(objs, SEARCH_POLICY).pop("ports"),
+    "search clients named apart from the policy": lambda objs: find(objs, "RayService")["metadata"][
+        "annotations"].update({check.CLIENTS_ANNOTATION: "shop"}),
+    "search clients not named": lambda objs: find(objs, "RayService")["metadata"].pop("annotations"),
+    "serve service LoadBalancer": lambda objs: find(objs, "RayService")["spec"].update(
+        serveService={"spec": {"type": "LoadBalancer"}}),
 }
 
 
@@ -432,6 +443,54 @@ def test_exposure_check_rejects_published_or_open_heads(case):
     objs = objects("prod")
     EXPOSURES[case](objs)
     assert check.exposure_errors(objs) != []
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_search_clients_reach_the_serve_port_and_nothing_else(overlay):
+    """The clients' namespace reaches port 8000 of every search pod (head and workers run Serve
+    proxies) and no Ray port; other namespaces and outside addresses reach none of them."""
+    objs = objects(overlay)
+    namespace = find(objs, "Namespace")["metadata"]["name"]
+    service = find(objs, "RayService", "puma-search")
+    clients_ns = service["metadata"]["annotations"][check.CLIENTS_ANNOTATION]
+    assert clients_ns == {"dev": "puma-dev-clients", "prod": "puma-clients"}[overlay]
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    client, other = check.Source(clients_ns, (("app", "shop"),)), check.Source("default", (("app", "shop"),))
+    groups = check.group_labels(service["spec"]["rayClusterConfig"])
+    assert [g for g, _ in groups] == ["head", "gpu", "cpu"]
+    for group, labels in groups:
+        assert check.ingress_allowed(policies, namespace, labels, client, 8000), group
+        assert not check.ingress_allowed(policies, namespace, labels, other, 8000), group
+        assert not check.ingress_allowed(policies, namespace, labels, check.Source(None), 8000), group
+        for port in check.HEAD_PORTS:
+            assert not check.ingress_allowed(policies, namespace, labels, client, port), (group, port)
+    assert check.serve_port(service["spec"]) == 8000
+    assert check.serve_exposure_errors(objs) == [] and check.network_policy_errors(objs) == []
+
+
+BAD_SERVICES = {
+    "unknown upgrade strategy": ("spec.upgradeStrategy", {"type": "BlueGreen"}, "upgradeStrategy.type"),
+    "head service named": ("spec.rayClusterConfig.headGroupSpec.headService",
+                           {"metadata": {"name": "x"}}, "headService.metadata.name"),
+    "serve config without applications": ("spec.serveConfigV2", "http_options: {port: 8000}\n",
+                                          "list of applications"),
+    "serve config not YAML": ("spec.serveConfigV2", "applications: [", "list of applications"),
+    "application without an import path": ("spec.serveConfigV2", "applications:\n  - name: a\n",
+                                           "need import_path"),
+    "name too long": ("metadata.name", "s" * 48, "longer than 47"),
+    "incremental upgrade without options": ("spec.upgradeStrategy",
+                                            {"type": "NewClusterWithIncrementalUpgrade"},
+                                            "needs clusterUpgradeOptions"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SERVICES))
+def test_operator_rules_reject_what_kuberay_refuses_of_a_rayservice(case):
+    path, value, expected = BAD_SERVICES[case]
+    service = find(objects("prod"), "RayService", "puma-search")
+    assert check.kuberay_errors(service) == [] and check.schema_errors(service) == []
+    errors = check.kuberay_errors(_set(service, path, value))
+    assert any(expected in e for e in errors), errors
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -489,6 +548,40 @@ def _check_config_args(args: list[str], where: str) -> None:
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     unknown = [parse_override(a)[0] for a in overrides if parse_override(a)[0] not in keys]
     assert not unknown, f"{where}: unknown config keys {unknown}"
+
+
+def test_the_search_service_runs_the_app_builder_with_a_config_that_resolves():
+    """Every RayService application imports a callable of this repository, and its args (config file
+    plus dotted keys) resolve into a valid config, in both overlays."""
+    import importlib
+
+    from puma.config import load_config
+
+    apps = [(f"{overlay}:{where}", app) for overlay in sorted(OVERLAYS)
+            for where, app in check.serve_applications(objects(overlay))]
+    assert len(apps) == 2
+    for where, app in apps:
+        module, _, attr = app["import_path"].partition(":")
+        assert module.split(".")[0] == "puma", where
+        assert callable(getattr(importlib.import_module(module), attr)), where
+        args = dict(app["args"])
+        config = check.repo_path(args.pop("config"))
+        assert config is not None and config.is_file(), where
+        cfg = load_config(config, [f"{key}={value}" for key, value in args.items()])
+        assert cfg.index.uri.startswith("s3://") and cfg.embed.checkpoint.startswith("s3://"), where
+        assert cfg.serve.token_env == "PUMA_SERVE_TOKEN"
+
+
+def test_every_search_pod_gets_the_serve_token_from_its_secret():
+    """Ingress replicas run on any node: every pod of the search cluster reads the token from the
+    Secret (never a literal), so a request cannot find an unguarded replica."""
+    for overlay in OVERLAYS:
+        pods = [t for t in templates(overlay) if t.where.startswith("RayService/")]
+        assert len(pods) == 3
+        for template in pods:
+            env = {e["name"]: e for e in template.spec["containers"][0].get("env", [])}
+            assert env["PUMA_SERVE_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "puma-serve-token",
+                                                                             "key": "token"}
 
 
 # ----------------------------------------------------------------------------- operator install

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kill_harness import attempt_records, complete_checkpoints
 from tiny import TINY_BACKBONE
 
-from puma.config import load_config
+from puma.checkpoint import read_checkpoint
+from puma.config import load_config, to_dict
 from puma.data.prepare import prepare
 from puma.data.sources import SourceSpec
 from puma.sweep import SearchSpaceError, SweepError, parse_space, plan_sweep
@@ -247,6 +249,21 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(resumed_sweep, s
     assert all(r["status"] in ("completed", "stopped early") for r in rows), rows
 
 
+def test_restored_trials_continue_from_their_newest_complete_checkpoint(resumed_sweep, setup):
+    """Tuner.restore re-runs an unfinished trial's training with its run name: the same rule as a
+    re-run driver. No trial writes an epoch twice; each later attempt continues after the newest
+    epoch complete before it (every folder is kept: checkpoints_to_keep 2 >= 2 epochs)."""
+    runs = sorted(p for p in (setup["sweep_dir"] / "trials").iterdir() if p.is_dir())
+    assert len(runs) == NUM_SAMPLES
+    for run in runs:
+        written = complete_checkpoints(run)
+        epochs = sorted(f["epoch"] for f in written)
+        assert epochs == list(range(1, len(epochs) + 1)), f"trial {run.name} wrote epochs {epochs}"
+        for record in attempt_records(run)[1:]:
+            before = [f["epoch"] for f in written if f["attempt"] < record["attempt"]]
+            assert record["after_epoch"] == max(before, default=0), (run.name, record)
+
+
 def test_asha_stops_the_bad_trial_early(resumed_sweep):
     rows = resumed_sweep["rows"]  # in the order the trials ran
     assert [float(r["optim.lr"]) for r in rows] == [GOOD_LR, BAD_LR, GOOD_LR], "seeded TPE proposals changed"
@@ -284,7 +301,7 @@ def test_best_config_trains_with_jobs_train(resumed_sweep, tmp_path):
     rc = train_job.main(["--config", str(best), f"train.storage_path={tmp_path}", "train.epochs=1",
                          "train.max_steps_per_epoch=1"])
     assert rc == 0
-    trained = yaml.safe_load((tmp_path / "tiny-best" / "best" / "config.yaml").read_text())
+    trained = to_dict(read_checkpoint(str(tmp_path / "tiny-best" / "best")).config)  # best/ is a pointer
     params = resumed_sweep["summary"]["best"]["params"]
     assert trained["model"]["adapter"]["rank"] == params["model.adapter.rank"]
     assert trained["optim"]["lr"] == pytest.approx(params["optim.lr"])

@@ -23,9 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_parser, parse_job_args, run_job  # noqa: E402
+from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     """Validate the space, run or resume the sweep, print the table and where the results went."""
     parser = job_parser(__doc__.splitlines()[0])
@@ -35,16 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from puma import storage
-    from puma.config import ConfigError
     from puma.sweep import plan_sweep, run_sweep
 
     if args.space:
         cfg = dataclasses.replace(cfg, sweep=dataclasses.replace(cfg.sweep, space_file=args.space))
-    try:
-        plan = plan_sweep(cfg)  # every check that needs no Ray: nothing starts if this fails
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    storage.preflight(cfg.storage, inputs=[cfg.sweep.space_file, cfg.model.backbone.weights],
+                      outputs=[cfg.data.uri, cfg.sweep.storage_path, cfg.train.storage_path])
+    plan = plan_sweep(cfg)  # every check that needs no Ray: nothing starts if this fails
     from puma.runtime import init_ray
 
     print(f"[puma.sweep] Ray: {init_ray()}", flush=True)
@@ -58,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(main))
+    raise SystemExit(main())

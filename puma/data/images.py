@@ -111,6 +111,16 @@ def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> I
         raise ImageRejected("truncated" if truncated else "corrupt", text) from exc
 
 
+def verify_image(data: bytes) -> None:
+    """Raise ImageRejected (corrupt, truncated, too_large) unless ``data`` decodes to its end.
+
+    What prepare checks once per image. JPEGs decode at 1/8 scale (``Image.draft``): the whole
+    entropy-coded stream is still read, so truncation is caught, at about a third of a full decode's
+    cost; other formats decode fully. The size limit (tiny) is the decoding stage's, not checked here.
+    """
+    decode_image(data, min_size=1, draft_side=1)
+
+
 def to_rgb(img: Image.Image) -> Image.Image:
     """Any PIL mode -> RGB (alpha composited on white, 16/32-bit scaled to 8-bit)."""
     if img.mode == "RGB":

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from puma import storage
 from puma.data import schema
+from puma.errors import UserError
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A source tree does not match the layout it was given as; the message says what was expected."""
 
 

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from puma import storage
+from puma.config import ConfigError
 from puma.data import schema
+from puma.errors import UserError
 
 
-class DataNotPreparedError(FileNotFoundError):
+class DataNotPreparedError(UserError, FileNotFoundError):
     """No manifest at the data URI; the message says how to prepare it."""
 
 
@@ -38,7 +40,7 @@ class Manifest:
             return sorted(self.datasets)
         unknown = sorted(set(names) - set(self.datasets))
         if unknown:
-            raise ValueError(f"data.datasets names {unknown} are not in {self.uri}; "
+            raise ConfigError(f"data.datasets names {unknown} are not in {self.uri}; "
                              f"valid: {sorted(self.datasets)}")
         return sorted(set(names))
 

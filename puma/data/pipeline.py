@@ -41,7 +41,7 @@ from puma import storage
 from puma.config import run_uri
 from puma.data import schema
 from puma.data.images import ImageRejected, ViewSpec, item_rng, make_view, view_spec
-from puma.data.manifest import Manifest
+from puma.data.manifest import DataNotPreparedError, Manifest
 from puma.data.rejects import Reject, dumps, read_rejects, reject_counts
 from puma.data.splits import LabelMap, global_label_map, label_range
 
@@ -107,12 +107,32 @@ def read_rows(cfg, manifest: Manifest, split: str) -> ray.data.Dataset:
               for name in manifest.select(cfg.data.datasets)}
     paths = manifest.shard_uris(stored)
     if not paths:
-        raise ValueError(f"{manifest.uri} has no {stored} shards; re-run jobs/prepare_data.py")
+        raise DataNotPreparedError(f"{manifest.uri} has no {stored} shards; re-run jobs/prepare_data.py")
     _check_shard_schema(paths[0])
     ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri)).select_columns(READ_COLUMNS)
     role = schema.QUERY if split == schema.VAL else None
     return ds.map_batches(functools.partial(_select_rows, ranges=ranges, role=role), batch_format="pyarrow",
                           batch_size=None, num_cpus=cfg.data.num_decode_cpus)
+
+
+def count_rows(cfg, manifest: Manifest, split: str) -> int:
+    """How many rows :func:`read_rows` yields for ``split`` (before decode-time rejects), for progress.
+
+    A stored split read whole comes from the manifest's counts; a split of classes within the stored
+    training split (data.val_fraction > 0) is counted from the shards' dataset and label columns.
+    """
+    names = manifest.select(cfg.data.datasets)
+    stored = schema.TEST if split == schema.TEST else schema.TRAIN
+    if split == schema.TEST or (split == schema.TRAIN and not cfg.data.val_fraction):
+        counts = [manifest.datasets[n].get("counts", {}).get(stored, {}) for n in names]
+        return sum(int(c.get("images", 0)) for c in counts)
+    ranges = {n: _bounds(label_range(manifest, n, split, cfg.data.val_fraction)) for n in names}
+    total = 0
+    for uri in manifest.shard_uris(stored):
+        fs, path = storage.resolve(uri)
+        total += len(_select_rows(pq.read_table(path, columns=[schema.DATASET, schema.LABEL], filesystem=fs),
+                                  ranges, None))
+    return total
 
 
 def _read_parquet(paths: list[str], filesystem) -> ray.data.Dataset:
@@ -133,8 +153,12 @@ def _read_parquet(paths: list[str], filesystem) -> ray.data.Dataset:
 def _check_shard_schema(uri: str) -> None:
     """Fail on the driver, naming the file, if a shard does not have the contract's schema."""
     fs, path = storage.resolve(uri)
-    with fs.open_input_file(path) as f:
-        schema.check_schema(pq.read_schema(f), uri)
+
+    def _read():
+        with fs.open_input_file(path) as f:
+            return pq.read_schema(f)
+
+    schema.check_schema(storage.call("reading", uri, _read), uri)
 
 
 def _bounds(labels: range) -> tuple[int, int]:

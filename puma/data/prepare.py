@@ -5,7 +5,8 @@ Layout of a prepared root::
     manifest.json                             written last (see puma.data.manifest)
     train/part-00000-<sha12>.parquet ...      rows of split train, shuffled by a hash of item_id
     test/part-00000-<sha12>.parquet ...       rows of split test
-    rejects/prepare.jsonl                     images listed by a release but missing or empty
+    rejects/prepare.jsonl                     images listed by a release but missing, empty, or
+                                              not decodable (corrupt, truncated, too large)
 
 Rows are ordered by a hash of their item id, so every shard mixes datasets (good for local
 shuffles) and the order never depends on listing order. A shard holds at most ``data.shard_rows``
@@ -18,6 +19,7 @@ only after the new manifest is in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -30,8 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import puma
-from puma import storage
+from puma import console, storage
 from puma.data import schema
+from puma.data.images import ImageRejected, verify_image
 from puma.data.listing import DatasetListing, LayoutError, SourceItem
 from puma.data.manifest import DataNotPreparedError, Manifest, load_manifest, manifest_uri, verify_shards
 from puma.data.rejects import Reject, write_rejects
@@ -59,23 +62,30 @@ def spec_dict(preset: str, specs: Sequence[SourceSpec], shard_rows: int) -> dict
 
 
 def prepare(specs: Sequence[SourceSpec], out_uri: str, shard_rows: int = 2000, preset: str = "",
-            read_threads: int = 16, log: Callable[[str], None] = print) -> PrepareReport:
-    """Convert every source, write shards, rejects and manifest under ``out_uri``."""
+            read_threads: int = 16, log: Callable[[str], None] = print,
+            verify_images: bool = True) -> PrepareReport:
+    """Convert every source, write shards, rejects and manifest under ``out_uri``.
+
+    ``verify_images``: decode every image (``verify_image``) and reject what fails; False only for
+    measuring what the check costs (bench/bench_storage.py).
+    """
     out_uri = storage.absolute(out_uri)
     listings = _convert_all(specs, log)
     old = _old_shards(out_uri)
     report = PrepareReport(manifest=Manifest(out_uri, {}))
     shards, rejects, kept = [], [], []
-    for split in schema.STORED_SPLITS:
-        items = sorted((i for lst in listings for i in lst.items if i.split == split), key=_order_key)
-        for start in range(0, len(items), shard_rows):
-            rows, missing = _read_chunk(items[start:start + shard_rows], read_threads)
-            rejects += missing
-            kept += [(item.dataset, item.label, item.split, item.role) for item, _ in rows]
-            for part in _split_by_bytes(rows, SHARD_MAX_BYTES):
-                index = sum(1 for s in shards if s["split"] == split)
-                shards.append(_write_shard(out_uri, split, index, part, old, report))
-        log(f"[puma.data] {split}: {sum(s['rows'] for s in shards if s['split'] == split):,} rows")
+    total = sum(len(lst.items) for lst in listings)
+    with console.progress("preparing", total, "img", tag="[puma.data]") as bar:
+        for split in schema.STORED_SPLITS:
+            items = sorted((i for lst in listings for i in lst.items if i.split == split), key=_order_key)
+            for start in range(0, len(items), shard_rows):
+                rows, missing = _read_chunk(items[start:start + shard_rows], read_threads, verify_images, bar)
+                rejects += missing
+                kept += [(item.dataset, item.label, item.split, item.role) for item, _ in rows]
+                for part in _split_by_bytes(rows, SHARD_MAX_BYTES):
+                    index = sum(1 for s in shards if s["split"] == split)
+                    shards.append(_write_shard(out_uri, split, index, part, old, report))
+            log(f"[puma.data] {split}: {sum(s['rows'] for s in shards if s['split'] == split):,} rows")
     data = _manifest_data(spec_dict(preset, specs, shard_rows), listings, shards, kept, rejects)
     write_rejects(storage.join(out_uri, schema.PREPARE_REJECTS_NAME), rejects)
     report.manifest, report.manifest_changed = _commit_manifest(out_uri, data)
@@ -100,16 +110,21 @@ def _order_key(item: SourceItem) -> bytes:
     return hashlib.blake2b(item.item_id.encode(), digest_size=8).digest()
 
 
-def _read_chunk(items: Sequence[SourceItem], threads: int
+def _read_chunk(items: Sequence[SourceItem], threads: int, verify: bool = True,
+                bar: console.Progress | None = None
                 ) -> tuple[list[tuple[SourceItem, bytes]], list[Reject]]:
-    """The bytes of each item (threads for S3); missing or empty files become prepare rejects."""
+    """The bytes of each item (threads for S3); missing, empty or undecodable files become rejects."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = list(pool.map(_read_item, items))
+        results = []
+        for result in pool.map(functools.partial(_read_item, verify=verify), items):
+            results.append(result)
+            if bar is not None:
+                bar.update()
     rows, rejects = [], []
-    for item, (data, reason) in zip(items, results, strict=True):
+    for item, (data, reason, detail) in zip(items, results, strict=True):
         if reason:
             rejects.append(Reject(item.item_id, item.dataset, reason, "prepare", item.source_path,
-                                  item.split))
+                                  item.split, detail))
         else:
             rows.append((item, data))
     return rows, rejects
@@ -127,15 +142,23 @@ def _split_by_bytes(rows: list, max_bytes: int) -> list[list]:
     return groups
 
 
-def _read_item(item: SourceItem) -> tuple[bytes, str]:
-    """(bytes, '') or (b'', reason)."""
+def _read_item(item: SourceItem, verify: bool = True) -> tuple[bytes, str, str]:
+    """(bytes, '', '') for an image that decodes, else (b'', reason, detail)."""
     if item.data is not None:
-        return item.data, ""
+        data = item.data
+    else:
+        try:
+            data = storage.read_bytes(item.source_path)
+        except FileNotFoundError:
+            return b"", "missing_file", ""
+    if not data:
+        return b"", "empty_file", "0 bytes"
     try:
-        data = storage.read_bytes(item.source_path)
-    except FileNotFoundError:
-        return b"", "missing_file"
-    return (data, "") if data else (b"", "empty_file")
+        if verify:
+            verify_image(data)
+    except ImageRejected as exc:
+        return b"", exc.reason, exc.detail
+    return data, "", ""
 
 
 def encode_shard(rows: Sequence[tuple[SourceItem, bytes]]) -> bytes:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from puma.config import ConfigError
 from puma.distributed import broadcast_object, is_distributed
 
 
@@ -24,7 +25,7 @@ def kmeans_pseudo_labels(embeddings: np.ndarray, k: int, seed: int, niter: int =
     """Cluster ids (N,) int64 of FAISS k-means with ``k`` centroids on ``embeddings`` (N, E)."""
     x = np.ascontiguousarray(embeddings, dtype=np.float32)
     if x.ndim != 2 or len(x) < k:
-        raise ValueError(f"k-means with model.udml_ss.num_clusters={k} needs at least {k} embeddings; "
+        raise ConfigError(f"k-means with model.udml_ss.num_clusters={k} needs at least {k} embeddings; "
                          f"got {x.shape[0] if x.ndim else 0} training images (lower num_clusters)")
     gpu = use_gpu and faiss.get_num_gpus() > 0
     kmeans = faiss.Kmeans(x.shape[1], k, niter=niter, seed=seed, gpu=gpu, verbose=False)

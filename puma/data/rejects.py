@@ -1,12 +1,17 @@
 """Rejected images: one JSON object per line, sorted by item id, never silently dropped.
 
-Reasons, by the stage that finds them:
+Rejects are found once: prepare reads and decodes every image (``puma.data.images.verify_image``)
+and lists what fails in ``<data.uri>/rejects/prepare.jsonl``; those items never enter a shard.
+Training (``data.rejects_uri``) and embedding (``<index.uri>/rejects/<catalogue>.jsonl``) start
+their rejects files from that list, so each one lists every bad item of what it read, and add what
+only they meet. Reasons, by the stage that finds them:
 
-- prepare (``<data.uri>/rejects/prepare.jsonl``): ``missing_file`` (listed by the release but
-  absent), ``empty_file`` (zero bytes).
-- decode (the pipeline's rejects file, ``data.rejects_uri``): ``corrupt`` (not a readable image),
-  ``truncated`` (the encoded data ends early), ``tiny`` (shorter side below
-  ``data.min_image_size``), ``too_large`` (a decompression bomb by PIL's limit).
+- prepare: ``missing_file`` (listed by the release but absent), ``empty_file`` (zero bytes),
+  ``corrupt`` (not a readable image), ``truncated`` (the encoded data ends early), ``too_large``
+  (a decompression bomb by PIL's limit).
+- decode (training, embedding): ``tiny`` (shorter side below the job's ``data.min_image_size``),
+  and the prepare reasons for images that got past an older prepare or an image-folder catalogue,
+  which is not prepared.
 
 CMYK, palette, grayscale, 16-bit and alpha images are not rejects: they are converted to RGB.
 """
@@ -20,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from puma import storage
 
-PREPARE_REASONS = ("missing_file", "empty_file")
+PREPARE_REASONS = ("missing_file", "empty_file", "corrupt", "truncated", "too_large")
 DECODE_REASONS = ("corrupt", "truncated", "tiny", "too_large")
 
 

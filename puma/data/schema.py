@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from puma.errors import UserError
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PREPARE_REJECTS_NAME = "rejects/prepare.jsonl"
@@ -82,7 +84,7 @@ BATCH_IMAGE = "image"  # float32 (B, 3, H, W), normalised
 BATCH_COLUMNS = (BATCH_IMAGE, LABEL, DATASET, ROLE, ITEM_ID)
 
 
-class SchemaError(ValueError):
+class SchemaError(UserError, ValueError):
     """Prepared data does not match this schema; the message names the file and the difference."""
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from puma.config import ConfigError
+
 
 @dataclass
 class EmbeddedSet:
@@ -25,8 +27,9 @@ class EmbeddedSet:
 
 @torch.no_grad()
 def embed_batches(embed_fn: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[dict],
-                  device: torch.device) -> EmbeddedSet:
-    """Run ``embed_fn`` over numpy batches with columns image, label, dataset, role, item_id."""
+                  device: torch.device, on_batch: Callable[[int], None] | None = None) -> EmbeddedSet:
+    """Run ``embed_fn`` over numpy batches with columns image, label, dataset, role, item_id;
+    ``on_batch(rows)`` after each (progress)."""
     parts: dict[str, list] = {k: [] for k in ("embeddings", "labels", "datasets", "roles", "item_ids")}
     for batch in batches:
         images = torch.as_tensor(np.asarray(batch["image"]), device=device)  # (B, 3, H, W)
@@ -35,6 +38,8 @@ def embed_batches(embed_fn: Callable[[torch.Tensor], torch.Tensor], batches: Ite
         parts["datasets"].append(np.asarray(batch["dataset"]).astype(str))
         parts["roles"].append(np.asarray(batch["role"]).astype(str))
         parts["item_ids"].append(np.asarray(batch["item_id"]).astype(str))
+        if on_batch is not None:
+            on_batch(len(images))
     if not parts["item_ids"]:
-        raise ValueError("no rows to embed: the evaluation dataset is empty (check data.uri and splits)")
+        raise ConfigError("no rows to embed: the evaluation dataset is empty (check data.uri and splits)")
     return EmbeddedSet(**{k: np.concatenate(v) for k, v in parts.items()})

@@ -18,10 +18,12 @@ from collections.abc import Iterator
 import faiss
 import numpy as np
 
+from puma.errors import UserError
+
 GPU_MAX_K = 2048  # FAISS GPU k-selection limit; larger k searches on the CPU index
 
 
-class RetrievalInputError(ValueError):
+class RetrievalInputError(UserError, ValueError):
     """Embeddings, labels or search parameters that retrieval cannot use."""
 
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from puma import storage
+from puma.errors import UserError
 from puma.index.plan import IndexInputError
 
 FORMAT_VERSION = 1
@@ -35,7 +36,7 @@ SHARD_EMBEDDINGS_FILE = "embeddings.parquet"
 LIBRARIES = ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "numpy", "pyarrow", "puma-ray")
 
 
-class IndexIntegrityError(ValueError):
+class IndexIntegrityError(UserError, ValueError):
     """An index folder whose files, checksums or counts disagree with its manifest."""
 
 

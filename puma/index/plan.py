@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from puma.config import IndexConfig
+from puma.errors import UserError
 
 MIN_POINTS_PER_LIST = 39  # FAISS warns below this many training points per centroid
 PQ_NBITS = 8
@@ -26,7 +27,7 @@ PQ_CENTROIDS = 1 << PQ_NBITS
 GB = 1 << 30
 
 
-class IndexInputError(ValueError):
+class IndexInputError(UserError, ValueError):
     """A table, query, config or index that this index cannot use; the message says what is valid."""
 
 

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from puma import storage
 from puma.index import backend
-from puma.index.manifest import FileEntry, IndexIntegrityError, Manifest, read_manifest
+from puma.index.manifest import FileEntry, IndexIntegrityError, Manifest, ShardEntry, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.table import EMBEDDING, ITEM_ID, embedding_matrix, read_columns, read_rows
 from puma.index.verify import verify
@@ -55,9 +55,9 @@ class ShardedIndex:
 
     def __init__(self, uri: str, manifest: Manifest, trained: faiss.Index, shards: list[faiss.Index],
                  item_ids: pa.Array, on_gpu: bool, nprobe: int, query_chunk: int = 65536,
-                 cpu_shards: list[faiss.Index] | None = None) -> None:
+                 cpu_shards: list[faiss.Index] | None = None, use_gpu: bool = False) -> None:
         self.uri, self.manifest, self.on_gpu = uri, manifest, on_gpu
-        self.nprobe, self.query_chunk = nprobe, query_chunk
+        self.nprobe, self.query_chunk, self.use_gpu = nprobe, query_chunk, use_gpu
         self._trained = trained  # owns the shared coarse quantizer
         ivf = backend.ivf_of(trained)
         self._cpu_coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
@@ -80,15 +80,35 @@ class ShardedIndex:
         if not manifest.shards:
             raise IndexInputError(f"index {uri} has no shards yet; add items before searching")
         trained = backend.deserialize(_read_checked(uri, manifest.trained))
-        shards, cpu_shards, on_gpu = [], [], False
-        for shard in manifest.shards:
-            cpu_index = backend.deserialize(_read_checked(uri, shard.index))
-            index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
-            shards.append(index)
-            if keep_cpu:
-                cpu_shards.append(cpu_index)
-        return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest), on_gpu, nprobe, query_chunk,
-                   cpu_shards if keep_cpu else None)
+        shards, cpu_shards, on_gpu = _load_shards(uri, manifest.shards, use_gpu, keep_cpu)
+        return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest.shards), on_gpu, nprobe,
+                   query_chunk, cpu_shards if keep_cpu else None, use_gpu)
+
+    def refreshed(self, manifest: Manifest | None = None) -> ShardedIndex:
+        """This index with the shards committed since it was opened, loading only those (itself when
+        there are none). A manifest that does not extend this one (another trained index, a changed
+        or removed shard: a rebuild) opens the index anew."""
+        manifest = manifest or read_manifest(self.uri)
+        if not self.extended_by(manifest):
+            return ShardedIndex.open(self.uri, self.nprobe, self.use_gpu, query_chunk=self.query_chunk,
+                                     keep_cpu=self._cpu_shards is not None)
+        new = manifest.shards[len(self.manifest.shards):]
+        if not new:
+            return self
+        shards, cpu_shards, _ = _load_shards(self.uri, new, self.on_gpu, self._cpu_shards is not None)
+        item_ids = pa.chunked_array([self._item_ids, _load_item_ids(self.uri, new)]).combine_chunks()
+        keep_cpu = self._cpu_shards is not None
+        return ShardedIndex(self.uri, manifest, self._trained, self._shards + shards, item_ids, self.on_gpu,
+                            self.nprobe, self.query_chunk,
+                            (self._cpu_shards + cpu_shards) if keep_cpu else None, self.use_gpu)
+
+    def extended_by(self, manifest: Manifest) -> bool:
+        """Whether ``manifest`` holds this index's trained index and shards, unchanged, first."""
+        old = self.manifest.shards
+        if manifest.trained.sha256 != self.manifest.trained.sha256 or len(manifest.shards) < len(old):
+            return False
+        kept = manifest.shards[:len(old)]
+        return all(_fingerprint(a) == _fingerprint(b) for a, b in zip(old, kept, strict=True))
 
     @property
     def ntotal(self) -> int:
@@ -141,14 +161,17 @@ class ShardedIndex:
                                   "(or use_gpu=False) to search a subset of its items")
         return mask
 
+    def max_k(self) -> int:
+        """The most neighbours one search returns: every item, or FAISS GPU's limit on a GPU-only index."""
+        gpu_only = self.on_gpu and self._cpu_shards is None
+        return min(self.ntotal, backend.GPU_MAX_K) if gpu_only else self.ntotal
+
     def _check_queries(self, queries: np.ndarray, k: int) -> np.ndarray:
         q = np.asarray(queries)
         if q.ndim != 2 or q.shape[1] != self.dim or not np.issubdtype(q.dtype, np.floating):
             raise IndexInputError(f"queries must be a float (Q, {self.dim}) array, got {q.dtype} {q.shape}")
-        gpu_only = self.on_gpu and self._cpu_shards is None
-        if not 1 <= k <= self.ntotal or (gpu_only and k > backend.GPU_MAX_K):
-            limit = min(self.ntotal, backend.GPU_MAX_K) if gpu_only else self.ntotal
-            raise IndexInputError(f"k must be in [1, {limit}] for this index, got {k}")
+        if not 1 <= k <= self.max_k():
+            raise IndexInputError(f"k must be in [1, {self.max_k()}] for this index, got {k}")
         if not np.isfinite(q).all():
             raise IndexInputError("queries have NaN or Inf values")
         return np.ascontiguousarray(q, dtype=np.float32)
@@ -201,6 +224,10 @@ class ShardedIndex:
                           nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k neighbours of indexed items (their stored embeddings), without the item itself."""
         own = self.lookup(item_ids)  # (n,)
+        most = self.max_k() - int(exclude_self)
+        if not 1 <= k <= most:
+            own_item = "the query item left out" if exclude_self else "the query item included"
+            raise IndexInputError(f"k must be in [1, {most}] for this index ({own_item}), got {k}")
         scores, ids = self.search_ids(self.embeddings(item_ids), k + int(exclude_self), nprobe)
         if exclude_self:
             scores, ids = drop_self(scores, ids, own)
@@ -230,10 +257,27 @@ def _read_checked(uri: str, entry: FileEntry) -> bytes:
     return data
 
 
-def _load_item_ids(uri: str, manifest: Manifest) -> pa.Array:
-    """Item id of every global id, concatenated in shard order (ids are contiguous)."""
+def _fingerprint(shard: ShardEntry) -> tuple[str, str, str, int, int]:
+    return shard.name, shard.index.sha256, shard.embeddings.sha256, shard.id_start, shard.count
+
+
+def _load_shards(uri: str, entries: list[ShardEntry], use_gpu: bool,
+                 keep_cpu: bool) -> tuple[list[faiss.Index], list[faiss.Index], bool]:
+    """(search shards, their CPU copies when ``keep_cpu``, on GPU?) of the given shard entries."""
+    shards, cpu_shards, on_gpu = [], [], False
+    for shard in entries:
+        cpu_index = backend.deserialize(_read_checked(uri, shard.index))
+        index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
+        shards.append(index)
+        if keep_cpu:
+            cpu_shards.append(cpu_index)
+    return shards, cpu_shards, on_gpu
+
+
+def _load_item_ids(uri: str, entries: list[ShardEntry]) -> pa.Array:
+    """Item id of every global id of the given shards, concatenated in shard order (ids are contiguous)."""
     parts = []
-    for shard in manifest.shards:
+    for shard in entries:
         col = read_columns(_path(uri, shard.embeddings), [ITEM_ID])[ITEM_ID]
         if len(col) != shard.count:
             raise IndexIntegrityError(f"{shard.name}: {len(col)} Parquet rows; manifest says {shard.count}")

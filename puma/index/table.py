@@ -137,10 +137,14 @@ def read_columns(uri: str, columns: list[str], missing_ok: bool = False) -> pa.T
     ``missing_ok``: columns the file lacks come back as all-null columns instead of raising.
     """
     fs, path = storage.resolve(uri)
-    with fs.open_input_file(path) as f:
-        pf = pq.ParquetFile(f)
-        present = [c for c in columns if c in pf.schema_arrow.names] if missing_ok else columns
-        part = pf.read(columns=present)
+
+    def _read() -> pa.Table:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            present = [c for c in columns if c in pf.schema_arrow.names] if missing_ok else columns
+            return pf.read(columns=present)
+
+    part = storage.call("reading", uri, _read)
     for name in columns:
         if name not in part.column_names:
             part = part.append_column(name, pa.nulls(len(part)))
@@ -153,16 +157,19 @@ def read_rows(uri: str, rows: np.ndarray, columns: list[str], missing_ok: bool =
     ``missing_ok``: columns the file lacks come back as all-null columns instead of raising.
     """
     fs, path = storage.resolve(uri)
-    with fs.open_input_file(path) as f:
-        pf = pq.ParquetFile(f)
-        wanted = columns
-        if missing_ok:
-            columns = [c for c in columns if c in pf.schema_arrow.names]
-        sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
-        starts = np.concatenate([[0], np.cumsum(sizes)])  # (G+1,)
-        group_of = np.searchsorted(starts, rows, side="right") - 1  # row group of each row
-        groups = np.unique(group_of)
-        part = pf.read_row_groups([int(g) for g in groups], columns=columns)
+
+    def _read() -> tuple[pa.Table, np.ndarray]:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            present = [c for c in columns if c in pf.schema_arrow.names] if missing_ok else columns
+            sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
+            groups = np.unique(_group_of(sizes, rows)[1])
+            return pf.read_row_groups([int(g) for g in groups], columns=present), sizes
+
+    part, sizes = storage.call("reading", uri, _read)
+    wanted = columns
+    starts, group_of = _group_of(sizes, rows)
+    groups = np.unique(group_of)
     base = np.concatenate([[0], np.cumsum(sizes[groups])])[:-1]  # where each group starts in part
     local = base[np.searchsorted(groups, group_of)] + rows - starts[group_of]
     part = part.take(pa.array(local.astype(np.int64)))
@@ -170,3 +177,9 @@ def read_rows(uri: str, rows: np.ndarray, columns: list[str], missing_ok: bool =
         if name not in part.column_names:
             part = part.append_column(name, pa.nulls(len(part)))
     return part.select(wanted)
+
+
+def _group_of(sizes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first row of each row group (G+1,), the row group of each wanted row)."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])  # (G+1,)
+    return starts, np.searchsorted(starts, rows, side="right") - 1

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from puma import storage
 from puma.data import schema
 from puma.data.manifest import load_manifest
+from puma.errors import UserError
 from puma.index.table import (
     CATALOGUE,
     DATASET,
@@ -43,7 +44,7 @@ REF_COLUMNS = (ITEM_ID, DATASET, LABEL, ROLE, SPLIT, SOURCE_PATH, CATALOGUE, IMA
 SPLITS = {"all": schema.STORED_SPLITS, "train": (schema.TRAIN,), "test": (schema.TEST,)}
 
 
-class CatalogueError(ValueError):
+class CatalogueError(UserError, ValueError):
     """A catalogue that cannot be embedded; the message names it and what was expected."""
 
 

@@ -117,10 +117,11 @@ class Embedder:
         model, cfg = load_model(checkpoint, backbone_weights or None)  # eval mode, probe verified
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)
-        self.dim = int(self._forward(np.zeros((1, 3, cfg.model.backbone.img_size,
-                                                cfg.model.backbone.img_size), np.float32)).shape[1])
+        self.dim = int(self.forward(np.zeros((1, 3, cfg.model.backbone.img_size,
+                                               cfg.model.backbone.img_size), np.float32)).shape[1])
 
-    def _forward(self, images: np.ndarray) -> np.ndarray:
+    def forward(self, images: np.ndarray) -> np.ndarray:
+        """Eval views (B, 3, S, S) -> embeddings (B, E) float32, on the actor's device."""
         import torch
 
         with torch.inference_mode():
@@ -129,7 +130,7 @@ class Embedder:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images = batch[IMAGE]
-        emb = self._forward(images) if len(images) else np.zeros((0, self.dim), np.float32)  # (B, E)
+        emb = self.forward(images) if len(images) else np.zeros((0, self.dim), np.float32)  # (B, E)
         out = {c: batch[c] for c in META_COLUMNS}
         out[EMBEDDING] = emb
         return out

@@ -23,8 +23,9 @@ retrained ``best`` gets a new one, which the index refuses to mix with the old (
 for a new model).
 
 Rejects: ``<index>/rejects/<catalogue folder name>.jsonl`` (puma.data.rejects format; reasons
-corrupt, truncated, tiny, too_large, missing_file, empty_file). Listed items are not re-tried by
-later runs unless embed.retry_rejects is set.
+corrupt, truncated, tiny, too_large, missing_file, empty_file). A prepared catalogue's prepare-time
+rejects (of the embedded splits) are listed there too, so the file names every bad item of the
+catalogue. Listed items are not re-tried by later runs unless embed.retry_rejects is set.
 """
 
 from __future__ import annotations
@@ -40,16 +41,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from puma import storage
+from puma import console, storage
 from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
+from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
-from puma.data.rejects import read_rejects, reject_counts
+from puma.data.manifest import load_manifest
+from puma.data.rejects import read_rejects, reject_counts, write_rejects
+from puma.errors import UserError
 from puma.index import add_items, create_index, indexed_item_ids, plan_index, read_manifest
 from puma.index.build import check_compatible
 from puma.index.manifest import has_manifest
 from puma.index.table import ITEM_ID, embedding_matrix
-from puma.inference.catalogue import catalogue_name, catalogue_refs, check_unique, list_catalogues, without
+from puma.inference.catalogue import (
+    SPLITS,
+    CatalogueError,
+    catalogue_name,
+    catalogue_refs,
+    check_unique,
+    is_prepared,
+    list_catalogues,
+    without,
+)
 from puma.inference.embedder import Embedder, read_and_decode, to_table
 
 log = logging.getLogger(__name__)
@@ -130,7 +143,7 @@ def watch(cfg: Config, prefix: str) -> list[EmbedReport]:
     for catalogue in list_catalogues(prefix):
         try:
             reports.append(embed_catalogue(cfg, catalogue))
-        except ValueError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError
+        except UserError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError, ...
             log.error("catalogue %s failed: %s", catalogue, exc)
             reports.append(EmbedReport(catalogue=catalogue, index_uri=cfg.index.uri, error=str(exc)))
     return reports
@@ -155,6 +168,7 @@ class _Run:
 
 def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -> _Run:
     """The eval view and model id from the checkpoint (its own config), an empty report."""
+    checkpoint = follow_pointer(checkpoint)  # best/ -> its version now: the id and all actors read one model
     state = read_checkpoint(checkpoint)
     model_cfg = state.config
     view = eval_view_spec(model_cfg, min_size=cfg.data.min_image_size)  # the model's view, the job's limit
@@ -169,6 +183,7 @@ def _todo(run: _Run, split: str) -> pa.Table:
     """The catalogue's references minus what is indexed (and what earlier runs rejected)."""
     refs, run.report.ignored_files = catalogue_refs(run.catalogue, split)
     check_unique(refs, run.catalogue)
+    _list_prepare_rejects(run, split)
     run.report.items = len(refs)
     if has_manifest(run.index_uri):
         manifest = read_manifest(run.index_uri)
@@ -181,6 +196,17 @@ def _todo(run: _Run, split: str) -> pa.Table:
     return refs
 
 
+def _list_prepare_rejects(run: _Run, split: str) -> None:
+    """A prepared catalogue's prepare-time rejects of the embedded splits join the index's rejects file."""
+    if not is_prepared(run.catalogue):
+        return
+    splits = SPLITS[split]
+    found = [r for r in read_rejects(load_manifest(run.catalogue).rejects_uri)
+             if r.get("split") in splits or split == "all"]
+    if found:  # rows already listed keep their place (dumps keeps the first row of an item id)
+        write_rejects(run.report.rejects_uri, [*read_rejects(run.report.rejects_uri), *found])
+
+
 def _embed_todo(run: _Run, todo: pa.Table) -> None:
     """Train the index if it is new, then stream the rest in commits of embed.commit_rows."""
     import ray
@@ -190,15 +216,23 @@ def _embed_todo(run: _Run, todo: pa.Table) -> None:
     init_ray()
     reject_log = _reject_log(run)
     try:
-        if not has_manifest(run.index_uri):
-            todo = _create_index(run, todo, reject_log)
-        if len(todo):
-            _commit_stream(run, _stream(run, todo, reject_log))
+        with console.progress(f"embedding {catalogue_name(run.catalogue)}", len(todo), "img") as bar:
+            if not has_manifest(run.index_uri):
+                todo = _create_index(run, todo, reject_log, bar)
+            if len(todo):
+                _commit_stream(run, _counted(_stream(run, todo, reject_log), bar))
     finally:
         ray.kill(reject_log)  # every decode task has recorded its rejects (ray.get) before returning
 
 
-def _create_index(run: _Run, todo: pa.Table, reject_log) -> pa.Table:
+def _counted(batches: Iterator, bar: console.Progress) -> Iterator:
+    """The batches, each counted on the progress display as it passes."""
+    for batch in batches:
+        bar.update(len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch))
+        yield batch
+
+
+def _create_index(run: _Run, todo: pa.Table, reject_log, bar: console.Progress) -> pa.Table:
     """IVF: embed a seeded sample, train on it and commit it; flat: created by the first commit."""
     expected = run.cfg.embed.expected_items or len(todo)
     plan = plan_index(run.cfg.index, expected, run.dim)
@@ -208,11 +242,11 @@ def _create_index(run: _Run, todo: pa.Table, reject_log) -> pa.Table:
     rows = np.sort(np.random.default_rng(run.cfg.index.seed).choice(
         len(todo), size=min(len(todo), plan.train_sample), replace=False))
     sample = todo.take(pa.array(rows))
-    tables = [to_table(b) for b in _stream(run, sample, reject_log)]
+    tables = [to_table(b) for b in _counted(_stream(run, sample, reject_log), bar)]
     table = pa.concat_tables(tables) if tables else None
     if table is None or len(table) == 0:
-        raise ValueError(f"no image of the training sample of {run.catalogue} could be decoded; "
-                         f"see {run.report.rejects_uri}")
+        raise CatalogueError(f"no image of the training sample of {run.catalogue} could be decoded; "
+                             f"see {run.report.rejects_uri}")
     create_index(run.index_uri, run.cfg.index, embedding_matrix(table), expected_items=expected,
                  model_id=run.model_id)
     _commit_stream(run, iter([table]))

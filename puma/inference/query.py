@@ -16,9 +16,10 @@ import torch
 from puma import storage
 from puma.config import Config
 from puma.data.images import ImageRejected, ViewSpec, eval_view_spec, make_view
+from puma.errors import UserError
 
 
-class QueryImageError(ValueError):
+class QueryImageError(UserError, ValueError):
     """A query image that cannot be read or decoded; the message names the file."""
 
 

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from puma import storage
 from puma.config import IndexConfig
+from puma.index.manifest import Manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import ShardedIndex
 from puma.index.table import (
@@ -52,6 +53,8 @@ class SearchOutcome:
     index_items: int
     index_shards: int
     grid_uri: str = ""  # the retrieval grid PNG, when one was asked for
+    k: int = 0  # neighbours returned per query: the k asked for, or fewer when the index holds fewer
+    k_limit: str = ""  # why k is smaller than asked ('' when it is not)
 
 
 def load_queries(uri: str) -> tuple[list[str], np.ndarray]:
@@ -81,6 +84,7 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
         raise IndexInputError("give exactly one kind of query: a queries file (--queries), item ids "
                               "(--item-id) or image files (--image)")
     index = ShardedIndex.open(cfg.uri, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu, query_chunk=cfg.query_chunk)
+    asked, (k, k_limit) = k, fit_k(index, k, exclude_self=bool(item_ids) and not include_self)
     if item_ids:
         names = list(item_ids)
         scores, found = index.search_by_item_id(names, k, exclude_self=not include_self)
@@ -98,7 +102,22 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
         queries = (indexed_items(index, names) if item_ids
                    else [GridItem(name, name if image_uris else "") for name in names])
         write_grid(grid_uri, retrieval_grid(queries, result_items(index, scores, found)))
-    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards), grid_uri)
+    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards), grid_uri, k,
+                         k_limit if k < asked else "")
+
+
+def fit_k(index: ShardedIndex, k: int, exclude_self: bool) -> tuple[int, str]:
+    """(k to search, why it is less than asked): k larger than what the index can return returns all."""
+    if k < 1:
+        raise IndexInputError(f"--k must be at least 1, got {k}")
+    gpu_limited = index.max_k() < index.ntotal
+    most = index.max_k() - int(exclude_self)
+    if most < 1:
+        raise IndexInputError(f"index {index.uri} holds {index.ntotal} item(s): no other item to return")
+    why = (f"FAISS on GPU returns at most {index.max_k()} neighbours (index.use_gpu=false searches all)"
+           if gpu_limited else f"the index holds {index.ntotal} items"
+           + (", the query item left out" if exclude_self else ""))
+    return min(k, most), why
 
 
 def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str], np.ndarray]:
@@ -114,20 +133,33 @@ def embed_query_images(image_uris: list[str], checkpoint: str) -> tuple[list[str
 
 def check_query_model(index: ShardedIndex, checkpoint: str, dim: int) -> None:
     """Refuse query embeddings of another size than the index's; warn when the model ids differ."""
-    model_id = index.manifest.model_id
-    if dim != index.dim:
-        raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index.uri} holds "
-                              f"{index.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
+    mismatch = query_model_mismatch(index.manifest, index.uri, checkpoint, dim)
+    if mismatch:
+        log.warning("%s", mismatch)
+
+
+def query_model_mismatch(manifest: Manifest, index_uri: str, checkpoint: str, dim: int,
+                         query_id: str | None = None) -> str:
+    """Why queries embedded by ``checkpoint`` (``dim``-dim, model id ``query_id``, computed when None)
+    do not belong in the index ('' when they do, or when the index records no model id).
+
+    Raises IndexInputError when the sizes differ: such vectors cannot be searched at all."""
+    model_id = manifest.model_id
+    if dim != manifest.dim:
+        raise IndexInputError(f"checkpoint {checkpoint} embeds to {dim} dims but index {index_uri} holds "
+                              f"{manifest.dim}-dim vectors (built by model {model_id or '?'!r}); search with "
                               f"the checkpoint the index was built with")
     if not model_id:
-        return  # an index built without a model id (build_index from vectors): nothing to compare
-    from puma.checkpoint import checkpoint_id  # torch: only when searching by image
+        return ""  # an index built without a model id (build_index from vectors): nothing to compare
+    if query_id is None:
+        from puma.checkpoint import checkpoint_id  # torch: only when searching by image
 
-    query_id = checkpoint_id(checkpoint)
-    if query_id != model_id:
-        log.warning("index %s was built by model %s, but the queries are embedded by checkpoint %s (model "
-                    "%s): scores compare vectors of two models; search with the index's checkpoint",
-                    index.uri, model_id, checkpoint, query_id)
+        query_id = checkpoint_id(checkpoint)
+    if query_id == model_id:
+        return ""
+    return (f"index {index_uri} was built by model {model_id}, but the queries are embedded by checkpoint "
+            f"{checkpoint} (model {query_id}): scores compare vectors of two models; use the index's "
+            f"checkpoint")
 
 
 def indexed_items(index: ShardedIndex, item_ids: list[str]) -> list[GridItem]:

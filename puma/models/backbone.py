@@ -19,7 +19,7 @@ import pickle
 
 import timm
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
@@ -27,6 +27,7 @@ from torch import nn
 
 from puma import storage
 from puma.config import BackboneConfig, ConfigError
+from puma.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".npz")
 OFFLINE_HINT = ("offline, set model.backbone.weights to a .safetensors/.pth/.npz file or URI, e.g. the "
@@ -40,7 +41,7 @@ _RESERVED_KWARGS = ("pretrained", "num_classes", "img_size")
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
 
-class BackboneWeightsError(ValueError):
+class BackboneWeightsError(UserError, ValueError):
     """Backbone weights could not be fetched, read or matched to the model; the message says why."""
 
 
@@ -93,6 +94,27 @@ def set_norms_eval(module: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------- weight files
+
+
+def check_weights_file(uri: str) -> None:
+    """Refuse, before any worker loads it, a weights file that is missing, of an unknown type, or a
+    truncated or corrupt safetensors file (its header and size are checked, no tensor is read)."""
+    if uri in ("hub", "none"):
+        return
+    if not any(uri.lower().endswith(s) for s in WEIGHT_SUFFIXES):
+        raise BackboneWeightsError(f"model.backbone.weights={uri!r}: unknown file type; valid: 'hub', "
+                                   f"'none' or a file/URI ending in {list(WEIGHT_SUFFIXES)}")
+    if not storage.exists(uri):
+        raise BackboneWeightsError(f"model.backbone.weights={uri!r} does not exist; for the offline DINOv2 "
+                                   "backbone run `python -m puma.models.offline` (scripts/setup.sh does)")
+    if storage.is_s3(uri) or not uri.lower().endswith(".safetensors"):
+        return  # read in full by each worker; an S3 object is not fetched twice here
+    try:
+        with safe_open(storage.resolve(uri)[1], "pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise BackboneWeightsError(f"model.backbone.weights={uri!r} is truncated or corrupt "
+                                   f"(safetensors: {exc}); convert or copy it again") from exc
 
 
 def load_backbone_weights(vit: VisionTransformer, uri: str) -> None:

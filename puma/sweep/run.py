@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from puma import storage
+from puma import console, storage
 from puma.cli import REPO_ROOT
 from puma.config import Config, ConfigError, absolute_paths, to_dict
 from puma.sweep.space import (
@@ -89,12 +89,20 @@ def _check_schedule(cfg: Config) -> None:
 def run_sweep(plan: SweepPlan, callbacks: list | None = None):
     """Run (or resume) the sweep to the end and write its results; returns a SweepOutcome."""
     from puma.data.prepare import ensure_prepared
+    from puma.sweep.placement import ReleaseStoppedTrainGroups
+    from puma.sweep.progress import TAG, SweepProgress
     from puma.sweep.report import write_results
 
     storage.configure(plan.resolved.storage)
     ensure_prepared(plan.resolved)  # once, here: concurrent trials must not race to build the data
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", SNAPSHOT_PERIOD_S)
-    grid = open_tuner(plan, callbacks).fit()
+    console.show_remote(progress=False, tags=(TAG,))  # trials, not every trial's epochs
+    if not console.is_verbose():  # Tune's new output prints its start banner even at verbose=0
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    sweep = plan.resolved.sweep
+    progress = SweepProgress(sweep.metric, sweep.mode, plan.resolved.train.epochs)
+    release = ReleaseStoppedTrainGroups.for_config(plan.resolved)
+    grid = open_tuner(plan, [*(callbacks or []), progress, release]).fit()
     return write_results(plan, grid)
 
 
@@ -108,8 +116,8 @@ def open_tuner(plan: SweepPlan, callbacks: list | None = None):
         _check_resumable(plan)
         statuses = list(trial_statuses(plan.sweep_dir).values())
         done = statuses.count("TERMINATED")
-        print(f"[puma.sweep] resuming {storage.redact(plan.sweep_dir)}: {done} finished trials kept, "
-              f"{len(statuses) - done} to resume", flush=True)
+        console.say(f"resuming {storage.redact(plan.sweep_dir)}: {done} finished trials kept, "
+                    f"{len(statuses) - done} to resume", tag="[puma.sweep]")
         return tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True, resume_errored=True,
                                   storage_filesystem=filesystem)
     record = yaml.safe_dump(plan.record(), sort_keys=False)
@@ -131,8 +139,7 @@ def _experiment_exists(sweep_dir: str) -> bool:
 
 def _tune_location(sweep_dir: str):
     """(path, filesystem) of the Tune experiment, for Tune's storage_path / restore arguments."""
-    filesystem, path = storage.resolve(storage.join(sweep_dir, TUNE_DIR))
-    return path, (filesystem if storage.is_s3(sweep_dir) else None)
+    return storage.ray_storage(storage.join(sweep_dir, TUNE_DIR))
 
 
 def _trainable(plan: SweepPlan):
@@ -151,11 +158,16 @@ def _tune_config(plan: SweepPlan):
     from puma.sweep.asha import ResumableASHA
 
     sweep = plan.resolved.sweep
+    if not console.is_verbose():
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory ..."
     searcher = OptunaSearch(space=optuna_distributions(plan.space), metric=sweep.metric, mode=sweep.mode,
                             seed=sweep.seed)
     scheduler = ResumableASHA(storage.join(plan.sweep_dir, ASHA_FILE), time_attr="epoch", metric=sweep.metric,
                               mode=sweep.mode, max_t=plan.resolved.train.epochs,
-                              grace_period=sweep.grace_period, reduction_factor=sweep.reduction_factor)
+                              grace_period=sweep.grace_period, reduction_factor=sweep.reduction_factor,
+                              stop_last_trials=False)  # the last epoch ends the trial itself (placement.py)
     return tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=sweep.num_samples,
                            max_concurrent_trials=sweep.max_concurrent_trials,
                            trial_dirname_creator=trial_dirname)
@@ -172,7 +184,8 @@ def _run_config(plan: SweepPlan, callbacks: list | None):
     path, filesystem = _tune_location(plan.sweep_dir)
     parent, name = os.path.split(path.rstrip("/"))
     return tune.RunConfig(name=name, storage_path=parent, storage_filesystem=filesystem,
-                          failure_config=tune.FailureConfig(max_failures=0), callbacks=callbacks, verbose=1)
+                          failure_config=tune.FailureConfig(max_failures=0), callbacks=callbacks,
+                          verbose=1 if console.is_verbose() else 0)  # our display: puma.sweep.progress
 
 
 def _check_resumable(plan: SweepPlan) -> None:

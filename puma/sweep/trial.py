@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from puma import storage
+from puma import console, storage
 from puma.config import Config, from_dict
 from puma.sweep.space import apply_params
 
@@ -43,5 +43,5 @@ def run_trial(params: dict[str, Any], base: dict, sweep_dir: str) -> None:
 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(from_dict(base), params, sweep_dir, trial_id)
-    print(f"[puma.sweep] trial {trial_id} starts: {format_params(params)}", flush=True)
+    console.say(f"trial {trial_id} starts: {format_params(params)}", tag="[puma.sweep]")
     run_training(cfg, callbacks=[TuneReportCallback()])

@@ -11,11 +11,12 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import storage
-from puma.checkpoint import BEST_DIR, META_FILE
+from puma.checkpoint import BEST_DIR, has_checkpoint, read_meta
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.methods import METHODS, check_config, get_method
 from puma.train.data_init import needs_data_init
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
+from puma.train.recovery import folder_name, newest_complete
 
 
 @dataclass
@@ -39,12 +40,7 @@ def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
 
 def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfig:
     """Storage (local or S3 through the one storage layer), failure handling, retention."""
-    path = cfg.train.storage_path
-    filesystem = None
-    if storage.is_s3(path):
-        filesystem, path = storage.resolve(path)
-    else:
-        _, path = storage.resolve(path)
+    path, filesystem = storage.ray_storage(cfg.train.storage_path)
     return ray.train.RunConfig(
         name=cfg.train.run_name, storage_path=path, storage_filesystem=filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
@@ -69,17 +65,27 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
     datasets = {"train": pipeline.train_dataset(cfg, manifest, label_map, mean, std)}
+    train_rows = pipeline.count_rows(cfg, manifest, "train")
     info: dict[str, Any] = {"num_classes": len(label_map),
-                            "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()}}
+                            "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()},
+                            "steps_per_epoch": steps_per_epoch(cfg, train_rows)}
     if any(len(label_range(manifest, n, cfg.train.eval_split, cfg.data.val_fraction))
            for n in labeled_datasets(manifest, cfg.data.datasets)):
         datasets["eval"] = pipeline.eval_dataset(cfg, manifest, cfg.train.eval_split, mean, std)
+        info["eval_rows"] = pipeline.count_rows(cfg, manifest, cfg.train.eval_split)
     else:
         info["eval_skipped"] = (f"no labeled {cfg.train.eval_split} classes in {manifest.uri} (datasets "
                                 f"{manifest.select(cfg.data.datasets)}): evaluation needs labels")
     if get_method(cfg.model.method).needs_train_eval or needs_data_init(cfg):
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
+
+
+def steps_per_epoch(cfg: Config, rows: int) -> int:
+    """Optimiser steps of one epoch: each worker's equal share of ``rows`` in full per-worker batches."""
+    per_worker = max(1, cfg.train.batch_size // cfg.train.num_workers)
+    steps = rows // cfg.train.num_workers // per_worker
+    return min(steps, cfg.train.max_steps_per_epoch) if cfg.train.max_steps_per_epoch is not None else steps
 
 
 def check_labels_for_method(cfg: Config, manifest) -> None:
@@ -94,14 +100,26 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
                           f"with a label-free method {label_free} or leave them out with data.datasets")
 
 
-def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
-    """Fit PUMA with Ray Train; re-running the same run name resumes from its last checkpoint.
+def check_inputs(cfg: Config) -> Config:
+    """What the workers will need, checked on the driver before any of them (or Ray) starts: the
+    method's config checks and the backbone weights file. Returns the config with absolute paths."""
+    from puma.models.backbone import check_weights_file
 
-    ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial.
-    """
     cfg = absolute_paths(cfg)
-    check_config(cfg)  # a config the method cannot train with fails here, before any worker starts
+    check_config(cfg)
     storage.configure(cfg.storage)
+    check_weights_file(cfg.model.backbone.weights)
+    return cfg
+
+
+def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
+    """Fit PUMA with Ray Train; re-running the same run name continues from its newest complete
+    checkpoint, and so does a worker group Ray restarts after a lost worker (puma/train/recovery.py).
+
+    ``callbacks`` are Ray Train callbacks, e.g. Tune's TuneReportCallback inside a sweep trial
+    (a trial restored by ``Tuner.restore`` re-runs this with its run name: the same rule applies).
+    """
+    cfg = check_inputs(cfg)  # a config or input the workers cannot use fails here, before any starts
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
     datasets, info = build_datasets(cfg)
     if "eval_skipped" in info and cfg.train.eval_every > 0:
@@ -114,9 +132,20 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
         scaling_config=scaling_config(cfg), run_config=run_config(cfg, callbacks), datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]))
     result = trainer.fit()
-    last = result.checkpoint.path if result.checkpoint is not None else None
+    last, metrics = _last_checkpoint(uri, result)
     best = storage.join(uri, BEST_DIR)
-    if last is not None and not storage.exists(storage.join(best, META_FILE)):
+    if last is not None and not has_checkpoint(best):
         best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result
-    return TrainOutcome(run_uri=uri, best_checkpoint=best,
-                        last_checkpoint=last, metrics=dict(result.metrics or {}))
+    return TrainOutcome(run_uri=uri, best_checkpoint=best, last_checkpoint=last, metrics=metrics)
+
+
+def _last_checkpoint(uri: str, result) -> tuple[str | None, dict[str, Any]]:
+    """The run's newest complete checkpoint and its metrics: Ray's, unless the run folder holds a newer
+    one (a re-run that found every epoch done reports nothing new, and Ray's may lag storage)."""
+    metrics = dict(result.metrics or {})
+    # Ray's path has no scheme on S3 ("bucket/key"): name the folder by the run's own URI instead
+    last = storage.join(uri, folder_name(result.checkpoint.path)) if result.checkpoint is not None else None
+    newest = newest_complete(uri)
+    if newest is not None and newest.epoch > metrics.get("epoch", 0):
+        return newest.uri, read_meta(newest.uri).get("metrics", {})
+    return last, metrics

@@ -1,0 +1,315 @@
+"""The Ray Serve application of the search service: three deployments and the app builder.
+
+    HTTP --> SearchIngress   FastAPI: bearer token, body limits, request parsing
+                             (puma.serve.requests), query images decoded into the model's eval view
+               |--> QueryModel      the checkpoint's model; @serve.batch: images that arrive together
+               |                    share one forward; on a GPU when the cluster has one (serve.gpu)
+               '--> IndexSearcher   the shards (puma.serve.live_index; faiss-gpu when on a GPU),
+                                    dataset / catalogue filters, hits; watches the manifest
+                                    (serve.watch_interval_s) and loads new shards without a restart
+
+QueryModel and IndexSearcher autoscale between serve.*_min_replicas and serve.*_max_replicas on
+ongoing requests (serve.target_ongoing_requests). Routes: ``GET /`` the page, ``POST /search``,
+``GET /image?item_id=`` (a thumbnail of an indexed item), ``GET /stats``, ``GET /healthz`` (no
+token). Every refusal is JSON ``{"error": "<one line>", "status": N}`` with that HTTP status.
+
+``build`` is the app builder for ``serve run`` and for a KubeRay RayService (import path
+``puma.serve.app:build``; args: ``config`` = a YAML file, plus dotted config keys).
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the routes' annotations (Request) at
+# run time, and Serve's ingress wrapper cannot resolve postponed (string) ones.
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import threading
+import time
+from importlib import resources
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from ray import serve
+from ray.serve import Application
+
+from puma import storage
+from puma.config import Config, IndexConfig
+from puma.data.images import ViewSpec
+from puma.inference.embedder import Embedder, use_storage
+from puma.serve.errors import RequestError, as_request_error
+from puma.serve.live_index import LiveIndex
+from puma.serve.plan import ServicePlan, plan_service
+from puma.serve.requests import Limits, SearchRequest, image_view, media_type, parse_request
+
+log = logging.getLogger(__name__)
+api = FastAPI(title="PUMA search", docs_url=None, redoc_url=None, openapi_url=None)
+
+# Serve pickles the ingress class when it is decorated, with the module globals its methods use
+# as they are at that moment: helpers must be defined above the deployments.
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes (declared or sent)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body is {declared} bytes; the limit is {limit} "
+                                "(serve.max_upload_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body is over the limit of {limit} bytes "
+                                    "(serve.max_upload_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def body_limit(content_type: str, max_upload_bytes: int) -> int:
+    """Bytes a body may have: the image limit, plus base64 and form overhead for JSON and forms."""
+    if media_type(content_type) in ("application/json", "multipart/form-data"):
+        return max_upload_bytes * 4 // 3 + 64 * 1024
+    return max_upload_bytes
+
+
+def _params(request: Request) -> dict[str, list[str]]:
+    params = request.query_params
+    return {name: params.getlist(name) for name in params}
+
+
+@serve.deployment
+class QueryModel:
+    """The checkpoint's model: eval views (3, S, S) -> embeddings (E,), batched across requests."""
+
+    def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool, threads: int,
+                 max_batch_size: int, batch_wait_timeout_s: float) -> None:
+        self.embedder = Embedder(checkpoint, backbone_weights, storage_cfg, use_gpu, threads)
+        self.embed.set_max_batch_size(max_batch_size)
+        self.embed.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.batches, self.images, self.largest_batch = 0, 0, 0
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def embed(self, views: list[np.ndarray]) -> list[np.ndarray]:
+        """One forward for every view that arrived together: B x (3, S, S) -> B x (E,)."""
+        batch = np.stack(views)  # (B, 3, S, S)
+        out = await asyncio.get_running_loop().run_in_executor(None, self.embedder.forward, batch)  # (B, E)
+        self.batches, self.images = self.batches + 1, self.images + len(views)
+        self.largest_batch = max(self.largest_batch, len(views))
+        return list(out)
+
+    def stats(self) -> dict:
+        """Batches run, images embedded, the largest batch, the device (this replica)."""
+        return {"batches": self.batches, "images": self.images, "largest_batch": self.largest_batch,
+                "device": str(self.embedder.device)}
+
+
+@serve.deployment
+class IndexSearcher:
+    """The index's shards in memory, searched with filters; new shards loaded as they are committed."""
+
+    def __init__(self, index_cfg: IndexConfig, model_id: str, dim: int, storage_cfg,
+                 watch_interval_s: float) -> None:
+        use_storage(storage_cfg)
+        self.live = LiveIndex(index_cfg, model_id, dim)
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._stop = threading.Event()
+        watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), name="watch", daemon=True)
+        watcher.start()
+
+    def _watch(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.live.refresh()
+            except Exception:  # noqa: BLE001 - a storage hiccup must not stop the watch; the next tick retries
+                log.exception("reading the manifest of %s failed; serving what is loaded", self.live.cfg.uri)
+
+    def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple) -> list[dict]:
+        return self.live.search_vector(vector, k, datasets, catalogues)
+
+    def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
+                    include_self: bool) -> list[dict]:
+        return self.live.search_item(item_id, k, datasets, catalogues, include_self)
+
+    def thumbnail(self, item_id: str) -> bytes:
+        return self.live.thumbnail(item_id)
+
+    def stats(self) -> dict:
+        """The served index's stats, and which replica answered since when (a restart changes both)."""
+        replica = serve.get_replica_context().replica_id.unique_id
+        return {**self.live.stats(), "replica": replica, "replica_started_at": self.started_at}
+
+    def health(self) -> dict:
+        return {"items": self.live.state.items, "refused_update": self.live.refused}
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+@serve.deployment
+@serve.ingress(api)
+class SearchIngress:
+    """HTTP: the page, search, thumbnails, stats and health; refusals as one-line JSON errors."""
+
+    def __init__(self, index, model, view: ViewSpec | None, limits: Limits, token_env: str,
+                 model_id: str) -> None:
+        self.index, self.model, self.view, self.limits = index, model, view, limits
+        self.token_env, self.token = token_env, os.environ.get(token_env, "")
+        self.model_id = model_id
+        self.page = resources.files("puma.serve").joinpath("page.html").read_text()
+
+    @api.get("/", response_class=HTMLResponse)
+    async def page_route(self) -> HTMLResponse:
+        return HTMLResponse(self.page)
+
+    @api.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        return await self._respond(self._health)
+
+    @api.get("/stats")
+    async def stats(self, request: Request) -> JSONResponse:
+        return await self._respond(self._stats, request)
+
+    @api.post("/search")
+    async def search(self, request: Request) -> JSONResponse:
+        return await self._respond(self._search, request)
+
+    @api.get("/image")
+    async def image(self, request: Request) -> Response:
+        return await self._respond(self._image, request)
+
+    # ------------------------------------------------------------------------- the routes' work
+
+    async def _respond(self, work, *args) -> Response:
+        """Run a route; a RequestError (here or in a deployment) becomes its status and one-line JSON."""
+        try:
+            result = await work(*args)
+        except Exception as exc:  # noqa: BLE001 - every failure gets a JSON answer
+            error = as_request_error(exc)
+            if error is None:
+                log.exception("internal error")
+                error = RequestError(500, f"internal error: {type(exc).__name__}; see the replica's log")
+            headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+            return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    async def _health(self) -> dict:
+        health = await self.index.health.remote()
+        return {"status": "ok", "items": health["items"], "auth": bool(self.token),
+                "image_queries": self.model is not None}
+
+    async def _stats(self, request: Request) -> dict:
+        self._authorise(request)
+        stats = {"index": await self.index.stats.remote(), "auth": bool(self.token),
+                 "image_queries": self.model is not None, "limits": dataclasses.asdict(self.limits)}
+        if self.model is not None:
+            stats["model"] = await self.model.stats.remote()
+        return stats
+
+    async def _search(self, request: Request) -> dict:
+        self._authorise(request)
+        start = time.perf_counter()
+        content_type = request.headers.get("content-type", "")
+        body = await read_body(request, body_limit(content_type, self.limits.max_upload_bytes))
+        query = parse_request(content_type, body, _params(request), self.limits)
+        hits = await self._hits(query)
+        return {"query": query.describe(), "hits": hits, "model_id": self.model_id,
+                "took_ms": round(1000 * (time.perf_counter() - start), 2)}
+
+    async def _hits(self, query: SearchRequest) -> list[dict]:
+        if query.kind == "item_id":
+            return await self.index.search_item.remote(query.item_id, query.k, query.datasets,
+                                                       query.catalogues, query.include_self)
+        vector = query.vector
+        if query.kind == "image":
+            if self.model is None:
+                raise RequestError(400, "image queries are off on this service (serve.image_queries=false); "
+                                        "send an item_id or a vector")
+            view = await asyncio.to_thread(image_view, query.image, self.view, self.limits.max_image_pixels)
+            vector = await self.model.embed.remote(view)
+        return await self.index.search_vector.remote(vector, query.k, query.datasets, query.catalogues)
+
+    async def _image(self, request: Request) -> Response:
+        self._authorise(request)
+        item_id = request.query_params.get("item_id", "")
+        if not item_id:
+            raise RequestError(400, "give the item: GET /image?item_id=<an indexed item id>")
+        data = await self.index.thumbnail.remote(item_id)
+        return Response(data, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
+
+    def _authorise(self, request: Request) -> None:
+        """401 unless the request carries ``Authorization: Bearer <token>`` (when a token is set)."""
+        if not self.token:
+            return
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                                    f"with the service's token (${self.token_env} where it runs)")
+
+
+# ----------------------------------------------------------------------------- building the app
+
+
+def build_app(plan: ServicePlan) -> Application:
+    """The application for a checked plan: index and model deployments behind the HTTP ingress."""
+    cfg, s = plan.cfg, plan.cfg.serve
+    use_gpu = gpus_wanted(cfg)
+    options = deployment_options(cfg, use_gpu)
+    index_cfg = dataclasses.replace(cfg.index, use_gpu=cfg.index.use_gpu and use_gpu)
+    index = IndexSearcher.options(**options["index"]).bind(
+        index_cfg, plan.model_id, plan.manifest.dim, storage.current_config(), s.watch_interval_s)
+    model = None
+    if s.image_queries:
+        model = QueryModel.options(**options["model"]).bind(
+            plan.checkpoint, cfg.embed.backbone_weights, storage.current_config(), use_gpu,
+            max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s)
+    return SearchIngress.options(**options["ingress"]).bind(index, model, plan.view, Limits.from_config(s),
+                                                             s.token_env, plan.model_id)
+
+
+def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:
+    """Replicas, autoscaling and resources of the three deployments (GPUs only when ``use_gpu``)."""
+    s = cfg.serve
+    index_scaling = _autoscaling(s.index_min_replicas, s.index_max_replicas, s.target_ongoing_requests)
+    # a model replica is busy, not overloaded, with a full batch in flight: scale past that
+    model_scaling = _autoscaling(s.model_min_replicas, s.model_max_replicas, float(s.max_batch_size))
+    return {
+        "index": {"name": "index", "autoscaling_config": index_scaling, "max_ongoing_requests": 16,
+                  "ray_actor_options": _resources(s.index_num_cpus, s.index_num_gpus if use_gpu else 0.0)},
+        "model": {"name": "model", "autoscaling_config": model_scaling,
+                  "max_ongoing_requests": max(2 * s.max_batch_size, 8),  # room to fill a batch and queue one
+                  "ray_actor_options": _resources(s.model_num_cpus, s.model_num_gpus if use_gpu else 0.0)},
+        # async and light: requests wait here (for a batch, a search), not in the proxy's queue
+        "ingress": {"name": "ingress", "num_replicas": s.ingress_replicas, "max_ongoing_requests": 64,
+                    "ray_actor_options": _resources(s.ingress_num_cpus, 0.0)},
+    }
+
+
+def build(args: dict[str, str]) -> Application:
+    """App builder for ``serve run puma.serve.app:build config=FILE key=value ...`` and RayService:
+    ``config`` names the YAML config (default configs/demo.yaml), every other arg is a dotted key."""
+    from puma.cli import DEMO_CONFIG
+    from puma.methods import load_config
+
+    args = dict(args or {})
+    path = args.pop("config", "") or str(DEMO_CONFIG)
+    cfg = load_config(path, [f"{key}={value}" for key, value in args.items()])
+    return build_app(plan_service(cfg))
+
+
+def gpus_wanted(cfg: Config) -> bool:
+    """serve.gpu: always, never, or auto (when the Ray cluster has GPUs now)."""
+    if cfg.serve.gpu != "auto":
+        return cfg.serve.gpu == "always"
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _autoscaling(low: int, high: int, target: float) -> dict:
+    return {"min_replicas": low, "initial_replicas": low, "max_replicas": high,
+            "target_ongoing_requests": target}
+
+
+def _resources(cpus: float, gpus: float) -> dict:
+    return {"num_cpus": cpus, **({"num_gpus": gpus} if gpus > 0 else {})}

@@ -1,0 +1,256 @@
+"""The index as the service sees it: searched by vector or item id, filtered by dataset or catalogue,
+its hits described from the stored columns, and kept current as embedding jobs commit shards.
+
+No Ray here: the index deployment (puma.serve.app) holds one LiveIndex per replica and calls
+``refresh`` on a timer. A refresh reads the manifest (one small file); when it gained shards, only
+those are loaded (``ShardedIndex.refreshed``) and the new state replaces the old in one assignment,
+so a request in flight finishes on the state it started with. A manifest of another model id or
+dimension is refused: the replica keeps serving what it has and says why in ``stats``.
+
+Hits carry item_id, score, dataset, label, catalogue, image_uri and image_row (the stored columns;
+null where the index was built without them), in rank order.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from PIL import Image
+
+from puma.config import IndexConfig
+from puma.data.images import ImageRejected, decode_image
+from puma.index.manifest import Manifest, read_manifest
+from puma.index.plan import IndexInputError
+from puma.index.search import ShardedIndex, drop_self
+from puma.index.table import CATALOGUE, DATASET, IMAGE_ROW, IMAGE_URI, ITEM_ID, LABEL
+from puma.inference.catalogue import catalogue_name
+from puma.inference.embedder import read_image_bytes
+from puma.serve.errors import RequestError
+
+log = logging.getLogger(__name__)
+HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CATALOGUE, IMAGE_URI, IMAGE_ROW]
+THUMBNAIL_SIDE = 256
+MAX_CACHED_FILTERS = 64
+
+
+@dataclass
+class State:
+    """One loaded version of the index: searched by requests while a newer one may be loading."""
+
+    index: ShardedIndex | None  # None while the index has no shards
+    manifest: Manifest
+    meta: pa.Table  # HIT_COLUMNS in global id order
+    loaded_at: float = field(default_factory=time.time)
+    masks: dict = field(default_factory=dict)  # (datasets, catalogues) -> bool (N,) mask
+
+    @property
+    def items(self) -> int:
+        return 0 if self.index is None else self.index.ntotal
+
+
+class LiveIndex:
+    """The index at ``cfg.uri``, refreshed from its manifest; refuses another model id or dimension."""
+
+    def __init__(self, cfg: IndexConfig, model_id: str, dim: int) -> None:
+        self.cfg, self.model_id, self.dim = cfg, model_id, dim
+        self.refused = ""  # why the newest manifest is not served ('' when it is)
+        self._lock = threading.Lock()  # one refresh at a time
+        self.state = self._load(self._checked(read_manifest(cfg.uri)), None)
+
+    # ------------------------------------------------------------------------- refreshing
+
+    def refresh(self) -> bool:
+        """Load the shards committed since the last load; True when the served index changed."""
+        with self._lock:
+            manifest = read_manifest(self.cfg.uri)
+            if _version(manifest) == _version(self.state.manifest):
+                return False
+            try:
+                manifest = self._checked(manifest)
+            except IndexInputError as exc:
+                if str(exc) != self.refused:
+                    log.error("not serving the new manifest of %s: %s", self.cfg.uri, exc)
+                self.refused = str(exc)
+                return False
+            self.state, self.refused = self._load(manifest, self.state), ""
+            log.info("serving %s: %d items in %d shards", self.cfg.uri, self.state.items,
+                     len(manifest.shards))
+            return True
+
+    def _checked(self, manifest: Manifest) -> Manifest:
+        """The manifest, if it holds embeddings of the served model and dimension."""
+        if manifest.model_id != self.model_id:
+            raise IndexInputError(f"index {self.cfg.uri} now holds embeddings of model "
+                                  f"{manifest.model_id or '(none recorded)'!r}, not of the served model "
+                                  f"{self.model_id or '(none recorded)'!r}; restart the service with that "
+                                  "model's checkpoint, or point index.uri at an index of this model")
+        if manifest.dim != self.dim:
+            raise IndexInputError(f"index {self.cfg.uri} now holds {manifest.dim}-dim embeddings; the "
+                                  f"service serves {self.dim}-dim ones")
+        return manifest
+
+    def _load(self, manifest: Manifest, old: State | None) -> State:
+        """A state for ``manifest``, reusing the shards ``old`` already holds when it extends them."""
+        if not manifest.shards:
+            return State(None, manifest, pa.table({c: pa.nulls(0) for c in HIT_COLUMNS}))
+        if old is None or old.index is None or not old.index.extended_by(manifest):
+            index = ShardedIndex.open(self.cfg.uri, nprobe=self.cfg.nprobe, use_gpu=self.cfg.use_gpu,
+                                      query_chunk=self.cfg.query_chunk, keep_cpu=True)
+            return State(index, manifest, index.table(HIT_COLUMNS, missing_ok=True).combine_chunks())
+        index = old.index.refreshed(manifest)
+        new_rows = _new_rows(index, old.items)
+        return State(index, manifest, pa.concat_tables([old.meta, new_rows], promote_options="permissive"))
+
+    # ------------------------------------------------------------------------- searching
+
+    def search_vector(self, vector: np.ndarray, k: int, datasets: tuple[str, ...] = (),
+                      catalogues: tuple[str, ...] = ()) -> list[dict]:
+        """Hits of one query embedding (E,), best first; 422 when it has the wrong length."""
+        state = self._searchable()
+        if vector.shape != (self.dim,):
+            raise RequestError(422, f"vector has {vector.size} values; the index holds {self.dim}-dim "
+                                    "embeddings")
+        allowed = self._allowed(state, datasets, catalogues)
+        scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
+        return _hits(state, scores[0], ids[0])
+
+    def search_vectors(self, vectors: list[np.ndarray], k: int) -> list[list[dict]]:
+        """Hits of many query embeddings at once (no filters): one FAISS call for the whole batch."""
+        state = self._searchable()
+        scores, ids = state.index.search_ids(np.stack(vectors), min(k, state.items))  # (Q, k)
+        return [_hits(state, s, i) for s, i in zip(scores, ids, strict=True)]
+
+    def search_item(self, item_id: str, k: int, datasets: tuple[str, ...] = (),
+                    catalogues: tuple[str, ...] = (), include_self: bool = False) -> list[dict]:
+        """Hits of an indexed item's stored embedding (the item itself left out unless include_self)."""
+        state = self._searchable()
+        own = self._lookup(state, item_id)
+        vector = state.index.embeddings([item_id])  # (1, E)
+        allowed = self._allowed(state, datasets, catalogues)
+        extra = 0 if include_self else 1
+        scores, ids = state.index.search_ids(vector, min(k + extra, state.items), allowed=allowed)
+        if extra and ids.shape[1] > 0:
+            scores, ids = drop_self(scores, ids, own)
+        return _hits(state, scores[0][:k], ids[0][:k])
+
+    def _searchable(self) -> State:
+        state = self.state
+        if state.index is None:
+            raise RequestError(503, f"index {self.cfg.uri} has no items yet; embed a catalogue with "
+                                    "jobs/embed.py (the service picks it up without a restart)")
+        return state
+
+    @staticmethod
+    def _lookup(state: State, item_id: str) -> np.ndarray:
+        try:
+            return state.index.lookup([item_id])  # (1,)
+        except IndexInputError as exc:
+            raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index") from exc
+
+    def _allowed(self, state: State, datasets: tuple[str, ...], catalogues: tuple[str, ...]):
+        """The bool (N,) mask of items in the named datasets and catalogues (None: no filter)."""
+        if not datasets and not catalogues:
+            return None
+        key = (datasets, catalogues)
+        if key not in state.masks:
+            if len(state.masks) >= MAX_CACHED_FILTERS:
+                state.masks.clear()
+            state.masks[key] = _mask(state.meta, DATASET, datasets, "dataset") & _catalogue_mask(state.meta,
+                                                                                                   catalogues)
+        return state.masks[key]
+
+    # ------------------------------------------------------------------------- images and stats
+
+    def thumbnail(self, item_id: str) -> bytes:
+        """A JPEG of at most THUMBNAIL_SIDE px of an indexed item's stored image; 404 when there is none."""
+        state = self._searchable()
+        row = state.meta.take(pa.array(self._lookup(state, item_id))).to_pylist()[0]
+        if not row[IMAGE_URI]:
+            raise RequestError(404, f"item {item_id!r} has no stored image location")
+        image_row = -1 if row[IMAGE_ROW] is None else int(row[IMAGE_ROW])
+        data = read_image_bytes(pa.table({IMAGE_URI: [row[IMAGE_URI]], IMAGE_ROW: [image_row]}))[0]
+        if isinstance(data, Exception):
+            raise RequestError(404, f"the image of item {item_id!r} cannot be read: {data}")
+        try:
+            img = decode_image(bytes(data), min_size=1)
+        except ImageRejected as exc:
+            raise RequestError(404, f"the image of item {item_id!r} cannot be decoded: {exc}") from exc
+        img.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE), Image.Resampling.BICUBIC)
+        out = io.BytesIO()
+        img.save(out, format="JPEG", quality=85)
+        return out.getvalue()
+
+    def stats(self) -> dict:
+        """Items, shards, datasets and catalogues with their counts, the model id, freshness."""
+        state, manifest = self.state, self.state.manifest
+        return {"index_uri": self.cfg.uri, "items": state.items, "shards": len(manifest.shards),
+                "model_id": manifest.model_id, "dim": manifest.dim, "metric": manifest.metric,
+                "index_type": manifest.index_type, "nprobe": self.cfg.nprobe,
+                "on_gpu": bool(state.index is not None and state.index.on_gpu),
+                "datasets": _counts(state.meta[DATASET]),
+                "catalogues": [{"uri": uri, "name": _name(uri), "items": n}
+                               for uri, n in _counts(state.meta[CATALOGUE]).items()],
+                "manifest_updated": manifest.updated, "loaded_at": time.strftime(
+                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.loaded_at)), "refused_update": self.refused}
+
+
+def _version(manifest: Manifest) -> tuple:
+    """What identifies a committed manifest: its trained index, model, shard list and update time."""
+    return (manifest.trained.sha256, manifest.model_id, manifest.updated,
+            tuple((s.name, s.index.sha256) for s in manifest.shards))
+
+
+def _new_rows(index: ShardedIndex, start: int) -> pa.Table:
+    """The hit columns of global ids [start, N): the shards added by a refresh."""
+    return index.rows(np.arange(start, index.ntotal, dtype=np.int64), HIT_COLUMNS)
+
+
+def _hits(state: State, scores: np.ndarray, ids: np.ndarray) -> list[dict]:
+    """(k,) scores and global ids (-1: none) -> hit dicts in rank order."""
+    keep = ids >= 0
+    rows = state.meta.take(pa.array(ids[keep])).to_pylist()
+    return [{"rank": rank, "score": round(float(score), 6), **row}
+            for rank, (score, row) in enumerate(zip(scores[keep], rows, strict=True), start=1)]
+
+
+def _mask(meta: pa.Table, column: str, names: tuple[str, ...], what: str) -> np.ndarray:
+    """Items whose ``column`` is one of ``names`` (all items when none are named); 422 on unknown names."""
+    if not names:
+        return np.ones(len(meta), dtype=bool)
+    present = set(_counts(meta[column]))
+    unknown = [n for n in names if n not in present]
+    if unknown:
+        raise RequestError(422, f"unknown {what}(s) {unknown}; this index has {sorted(present)[:20]}")
+    return pc.is_in(meta[column], value_set=pa.array(names, pa.string())).fill_null(False).to_numpy(
+        zero_copy_only=False)
+
+
+def _catalogue_mask(meta: pa.Table, names: tuple[str, ...]) -> np.ndarray:
+    """Items of the named catalogues, each named by its URI or its folder name."""
+    uris = list(_counts(meta[CATALOGUE]))
+    by_name = {**{_name(u): u for u in uris}, **{u: u for u in uris}}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise RequestError(422, f"unknown catalogue(s) {unknown}; this index has {sorted(by_name)[:20]}")
+    return _mask(meta, CATALOGUE, tuple(sorted({by_name[n] for n in names})), "catalogue")
+
+
+def _counts(column: pa.ChunkedArray) -> dict[str, int]:
+    """Non-null string values of a column -> how many items have each, by name."""
+    values = pc.value_counts(column.drop_null() if len(column) else pa.array([], pa.string()))
+    pairs = [(v["values"], v["counts"]) for v in values.to_pylist()]
+    return {str(value): int(count) for value, count in sorted(pairs) if value is not None}
+
+
+def _name(uri: str) -> str:
+    try:
+        return catalogue_name(uri)
+    except ValueError:
+        return uri

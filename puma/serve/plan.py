@@ -1,0 +1,81 @@
+"""What the search service needs, resolved and checked on the driver before any replica starts.
+
+A config that cannot work fails here, in one line: no index at index.uri, a checkpoint that does
+not load, or a checkpoint of another model than the one the index was built with (the model id,
+``puma.checkpoint.checkpoint_id``, compared by ``puma.inference.search.query_model_mismatch``).
+An index that records no model id (built from vectors by ``puma.index.build_index``) can still be
+served with ``serve.image_queries=false``: vector and item-id queries only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from puma import storage
+from puma.config import Config, absolute_paths
+from puma.data.images import ViewSpec, eval_view_spec
+from puma.index.manifest import Manifest, read_manifest
+from puma.index.plan import IndexInputError
+from puma.serve.errors import ServiceSetupError
+
+
+@dataclass
+class ServicePlan:
+    """The resolved service: config (absolute paths), index, model, devices."""
+
+    cfg: Config
+    manifest: Manifest
+    checkpoint: str = ""  # '' when image queries are off
+    view: ViewSpec | None = None  # the model's eval view for query images
+
+    @property
+    def model_id(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def token_required(self) -> bool:
+        """Whether this process's environment sets a token (replicas read their own environment)."""
+        return bool(os.environ.get(self.cfg.serve.token_env, ""))
+
+
+def plan_service(cfg: Config) -> ServicePlan:
+    """Check the index and the checkpoint against each other (storage only: no Ray, no replicas)."""
+    cfg = absolute_paths(cfg)
+    storage.configure(cfg.storage)
+    try:
+        manifest = read_manifest(cfg.index.uri)
+    except IndexInputError as exc:
+        raise ServiceSetupError(f"{exc}; embed a catalogue first: python jobs/embed.py --catalogue URI "
+                                f"index.uri={cfg.index.uri}") from exc
+    plan = ServicePlan(cfg, manifest)
+    if cfg.serve.image_queries:
+        plan.checkpoint, plan.view = check_model(cfg, manifest)
+    return plan
+
+
+def check_model(cfg: Config, manifest: Manifest) -> tuple[str, ViewSpec]:
+    """(checkpoint URI, its eval view) when the checkpoint is the index's model; else ServiceSetupError."""
+    from puma.checkpoint import checkpoint_id, read_checkpoint  # torch: only with image queries
+    from puma.inference.job import resolve_checkpoint
+    from puma.inference.search import query_model_mismatch
+
+    checkpoint = resolve_checkpoint(cfg)
+    try:
+        state = read_checkpoint(checkpoint)
+    except (ValueError, OSError) as exc:  # CheckpointError, FileNotFoundError, StorageError
+        raise ServiceSetupError(f"image queries need the checkpoint the index was built with: {exc}; set "
+                                "embed.checkpoint=URI, or serve.image_queries=false for vector and "
+                                "item-id queries only") from exc
+    if not manifest.model_id:
+        raise ServiceSetupError(f"index {cfg.index.uri} records no model id, so query images cannot be "
+                                "checked against it; re-embed it with jobs/embed.py, or set "
+                                "serve.image_queries=false for vector and item-id queries only")
+    dim, query_id = state.config.model.head.embed_dim, checkpoint_id(checkpoint, state)
+    try:
+        mismatch = query_model_mismatch(manifest, cfg.index.uri, checkpoint, dim, query_id)
+    except IndexInputError as exc:
+        raise ServiceSetupError(str(exc)) from exc
+    if mismatch:
+        raise ServiceSetupError(f"refusing to serve: {mismatch} (embed.checkpoint=URI)")
+    return checkpoint, eval_view_spec(state.config, min_size=cfg.data.min_image_size)

