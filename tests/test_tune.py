@@ -313,3 +313,35 @@ def test_resume_with_other_settings_is_refused(resumed_sweep, setup):
         plan_sweep(changed)
     with pytest.raises(SweepError, match="exists and sweep.resume=false"):
         plan_sweep(load_config(setup["config"], ["sweep.resume=false", f"sweep.space_file={setup['space']}"]))
+
+
+# ----------------------------------------------------------------------------- placement groups
+
+
+class _Trial:
+    def __init__(self, status: str) -> None:
+        self.status = status
+
+
+def test_worker_groups_that_stopped_trials_leave_are_given_back(ray_cluster):
+    """Ray's own cleaner cannot see the controller die without the State API (this cluster has no
+    dashboard): the callback removes worker-shaped groups once no other trial runs, nothing else."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from puma.sweep.placement import ReleaseStoppedTrainGroups
+
+    cfg = load_config(None, ["train.num_workers=2", "train.cpus_per_worker=0.5"])
+    release = ReleaseStoppedTrainGroups.for_config(cfg)
+    leaked = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])  # what a killed controller leaves
+    other = placement_group([{"CPU": 0.25}])  # e.g. Tune's own trial group
+    ray_cluster.get([leaked.ready(), other.ready()], timeout=60)
+    ended = _Trial("TERMINATED")
+
+    def state(pg) -> str:
+        return placement_group_table()[pg.id.hex()]["state"]
+
+    release.on_trial_complete(0, [ended, _Trial("RUNNING")], ended)  # another run may own it: kept
+    assert state(leaked) == "CREATED" and release.released == 0
+    release.on_trial_complete(0, [ended, _Trial("TERMINATED")], ended)
+    assert state(leaked) == "REMOVED" and state(other) == "CREATED" and release.released == 1
+    ray_cluster.util.remove_placement_group(other)
