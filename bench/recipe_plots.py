@@ -32,12 +32,17 @@ def series(run: dict, key: str, with_init: bool = False) -> tuple[list[int], lis
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def color(runs: dict[str, dict], name: str) -> str:
+    """One colour per run, the same in every plot (the order the runs were named in)."""
+    return f"C{list(runs).index(name) % 10}"
+
+
 def plot_key(runs: dict[str, dict], key: str, title: str, out: Path, with_init: bool = False) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, run in runs.items():
         steps, values = series(run, key, with_init)
         if steps:
-            ax.plot(steps, values, marker="o", markersize=3, label=name)
+            ax.plot(steps, values, marker="o", markersize=3, label=name, color=color(runs, name))
     ax.set_xlabel("step (batch 64)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -58,7 +63,8 @@ def plot_blocks(runs: dict[str, dict], out: Path) -> Path:
         if keys:
             means = [sum(r[k] for r in run["curves"] if k in r) / sum(k in r for r in run["curves"])
                      for k in keys]
-            ax.plot([int(k.rsplit("/", 1)[1]) for k in keys], means, marker="o", markersize=3, label=name)
+            ax.plot([int(k.rsplit("/", 1)[1]) for k in keys], means, marker="o", markersize=3, label=name,
+                    color=color(runs, name))
     ax.set_xlabel("block")
     ax.set_title("adapter update / the sub-block's own update")
     ax.grid(alpha=0.3)
