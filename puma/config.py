@@ -496,8 +496,8 @@ class ServeConfig:
     """
 
     host: str = "127.0.0.1"  # where Serve's HTTP proxy listens (0.0.0.0 inside a pod)
-    port: int = 8000
-    app_name: str = "puma-search"
+    port: int = 8000  # Serve's HTTP port (the page at /, POST /search)
+    app_name: str = "puma-search"  # the Serve application's name (serve status, the RayService)
     image_queries: bool = True  # false: no model deployment; vector and item-id queries only
     default_k: int = 10  # hits when a request names no k
     max_k: int = 100  # the largest k a request may ask for
@@ -506,15 +506,15 @@ class ServeConfig:
     max_batch_size: int = 16  # query images embedded in one forward (@serve.batch)
     batch_wait_timeout_s: float = 0.005  # how long a batch waits to fill
     gpu: str = "auto"  # auto: GPUs when the cluster has some at start | always | never
-    model_min_replicas: int = 1
-    model_max_replicas: int = 2
+    model_min_replicas: int = 1  # the model deployment (image queries) scales between these
+    model_max_replicas: int = 2  # at most this many model replicas
     model_num_cpus: float = 1.0  # CPUs per model replica (torch threads follow it)
     model_num_gpus: float = 1.0  # GPUs per model replica when GPUs are used
-    index_min_replicas: int = 1
-    index_max_replicas: int = 2
-    index_num_cpus: float = 1.0
+    index_min_replicas: int = 1  # the index deployment (FAISS search) scales between these
+    index_max_replicas: int = 2  # at most this many index replicas
+    index_num_cpus: float = 1.0  # CPUs per index replica
     index_num_gpus: float = 0.5  # GPUs per index replica when GPUs are used (faiss-gpu)
-    ingress_replicas: int = 1
+    ingress_replicas: int = 1  # replicas of the HTTP ingress (requests, validation, the page)
     ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
     target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
     watch_interval_s: float = 10.0  # how often replicas look for new shards in the manifest

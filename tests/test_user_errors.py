@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from puma.errors import DiskError, MissingFileError, UserError, user_error
 from puma.index import build_index
 
 REPO = Path(__file__).resolve().parent.parent
+CUB_IMAGES = REPO.parent / "shared" / "data" / "cub200-subset" / "CUB_200_2011" / "images"
+SHARED_IMAGES = CUB_IMAGES / "054.Baltimore_Oriole"
 JOBS = REPO / "jobs"
 
 
@@ -107,6 +110,25 @@ def test_a_different_backbone_under_an_intact_checkpoint_is_blamed_on_the_backbo
                                                                                .read_bytes())
 
 
+def test_the_embed_job_refuses_another_backbone_in_one_line_before_its_actors(tmp_path, capsys):
+    """The probe check runs on the driver: inside an actor's constructor Ray keeps only the text."""
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    model, _ = load_model(ckpt)
+    other = tmp_path / "other_backbone.safetensors"
+    save_file({k: v + 0.05 if v.is_floating_point() else v for k, v in model.backbone.state_dict().items()
+               if "adapter" not in k}, str(other))
+    catalogue = tmp_path / "catalogue" / "orioles"
+    catalogue.mkdir(parents=True)
+    for image in sorted(SHARED_IMAGES.glob("*.jpg"))[:2]:
+        shutil.copy(image, catalogue / image.name)
+    start = time.monotonic()
+    rc = _job("embed").main(["--catalogue", str(catalogue.parent), f"embed.checkpoint={ckpt}",
+                             f"embed.backbone_weights={other}", f"index.uri={tmp_path / 'index'}"])
+    assert rc == 2 and time.monotonic() - start < 60
+    assert "the frozen backbone weights" in _one_error_line(capsys)
+    assert not (tmp_path / "index").exists()
+
+
 def test_checkpoints_without_checksums_name_both_possible_causes(tmp_path):
     ckpt = make_checkpoint(str(tmp_path / "ckpt"))
     meta_path = Path(ckpt) / "meta.json"
@@ -133,6 +155,19 @@ def test_truncated_backbone_weights_fail_on_the_driver_before_ray(tmp_path, caps
     line = _one_error_line(capsys)
     assert f"model.backbone.weights='{cut}' is truncated or corrupt" in line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.method=vptsp_g", "loss.name=proxy_anchor", "model.vptsp_g.prompt_layers=13"],
+     "model.vptsp_g.prompt_layers=13 exceeds the backbone depth 12"),
+    (["model.adapter.blocks=[0,12]"], "model.adapter.blocks"),
+])
+def test_a_model_the_backbone_cannot_take_fails_on_the_driver_before_ray(tmp_path, capsys, overrides,
+                                                                         message):
+    rc = _job("train").main([*overrides, f"train.storage_path={tmp_path / 'runs'}"])
+    assert rc == 2
+    assert message in _one_error_line(capsys)
+    assert not (tmp_path / "runs").exists(), "must fail before Ray or data preparation start"
 
 
 def test_missing_query_file_is_one_line_naming_it(tmp_path, capsys):

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from puma import console, storage
-from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
+from puma.checkpoint import best_checkpoint_uri, checkpoint_id, load_model, read_checkpoint
 from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
@@ -125,6 +125,7 @@ def embed_catalogue(cfg: Config, catalogue: str, *, index_uri: str | None = None
                        resolve_checkpoint(cfg, checkpoint))
     todo = _todo(run, split or cfg.embed.split)
     if len(todo):
+        _check_model(run)
         _embed_todo(run, todo)
     _finish(run)
     run.report.seconds = time.monotonic() - start
@@ -177,6 +178,13 @@ def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -
                          rejects_uri=rejects_uri(index_uri, catalogue))
     return _Run(cfg, catalogue, index_uri, checkpoint, report.model_id, view, model_cfg.model.head.embed_dim,
                 report)
+
+
+def _check_model(run: _Run) -> None:
+    """Load the checkpoint once on the driver with the backbone the actors will use: a model that does
+    not reproduce its probe embeddings (another backbone, an edited file) is refused here in one line
+    (a CheckpointError), not inside every actor's constructor, where Ray keeps only its text."""
+    load_model(run.checkpoint, backbone_weights=run.cfg.embed.backbone_weights or None)
 
 
 def _todo(run: _Run, split: str) -> pa.Table:

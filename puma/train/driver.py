@@ -102,13 +102,17 @@ def check_labels_for_method(cfg: Config, manifest) -> None:
 
 def check_inputs(cfg: Config) -> Config:
     """What the workers will need, checked on the driver before any of them (or Ray) starts: the
-    method's config checks and the backbone weights file. Returns the config with absolute paths."""
+    method's config checks, the backbone weights file, and the model built once from the config (so
+    what only a built backbone can refuse, e.g. prompt layers or adapter blocks beyond its depth,
+    fails here in one line, not in a worker). Returns the config with absolute paths."""
+    from puma.methods import build_model
     from puma.models.backbone import check_weights_file
 
     cfg = absolute_paths(cfg)
     check_config(cfg)
     storage.configure(cfg.storage)
     check_weights_file(cfg.model.backbone.weights)
+    build_model(cfg.model)  # a few seconds for a ViT-S on CPU; the model itself is not kept
     return cfg
 
 
