@@ -158,7 +158,8 @@ def test_truncated_backbone_weights_fail_on_the_driver_before_ray(tmp_path, caps
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.method=vptsp_g", "loss.name=proxy_anchor", "model.vptsp_g.prompt_layers=13"],
+    (["model.method=vptsp_g", "loss.name=proxy_anchor", "loss.proxy_init=random",
+      "model.vptsp_g.prompt_layers=13"],
      "model.vptsp_g.prompt_layers=13 exceeds the backbone depth 12"),
     (["model.adapter.blocks=[0,12]"], "model.adapter.blocks"),
 ])
