@@ -298,11 +298,18 @@ def load_model(uri: str, backbone_weights: str | None = None,
 def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     """The model id an index records: ``sha256:`` of the trainable weights (model.safetensors), the
     model config (the backbone weights' location left out) and the probe embeddings (which
-    fingerprint the frozen backbone); a copy of a checkpoint keeps its id."""
+    fingerprint the frozen backbone); a copy of a checkpoint keeps its id.
+
+    The model config is the one config.yaml recorded, not the typed config rebuilt from it, so
+    config fields added to the code later (filled with their defaults on reading) leave the id of
+    an older checkpoint, and every index built with it, unchanged."""
+    import yaml
+
     uri = resolve_checkpoint(uri)
     state = state or read_checkpoint(uri)
-    model_cfg = to_dict(state.config.model)
-    model_cfg["backbone"].pop("weights", None)
+    recorded = yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))) or {}
+    model_cfg = recorded.get("model") or to_dict(state.config.model)
+    model_cfg.get("backbone", {}).pop("weights", None)
     digest = hashlib.sha256(storage.read_bytes(storage.join(uri, MODEL_FILE)))
     digest.update(json.dumps(model_cfg, sort_keys=True).encode())
     digest.update(json.dumps(state.meta.get("probe"), sort_keys=True).encode())
