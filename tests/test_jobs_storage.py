@@ -117,9 +117,7 @@ def test_endpoint_without_scheme_is_a_config_error(s3_server, no_ray, capsys, tm
     host_port = s3_server.endpoint.removeprefix("http://")
     for job, args in (("prepare_data", ["--preset", "cub", "--source", "s3://puma-test/raw"]),
                       ("embed", ["--catalogue", "s3://puma-test/cat"])):
-        with pytest.raises(SystemExit) as exit_:
-            run_job(_job(job), [*args, f"storage.endpoint_url={host_port}"])
-        assert exit_.value.code == 2
+        assert run_job(_job(job), [*args, f"storage.endpoint_url={host_port}"]) == 2
         assert _one_line_error(capsys) == (f"error: storage.endpoint_url='{host_port}' has no scheme: "
                                            f"write http://{host_port} for a server without TLS (a local "
                                            f"SeaweedFS or MinIO) or https://{host_port}")
