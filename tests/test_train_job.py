@@ -95,7 +95,8 @@ def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpo
                          train={"checkpoints_to_keep": epochs, "max_failures": 3})
     run_dir = tmp_path / "runs" / "run"
     launcher = cluster_launcher(ray_head.gcs, ray_head.env, ray_head.pid)
-    lineage = run_lineage(launcher, config, run_dir, [Kill("driver"), Kill("worker")], tmp_path, timeout=300)
+    lineage = run_lineage(launcher, config, run_dir, [Kill("driver"), Kill("worker")], tmp_path,
+                          timeout=600)  # per checkpoint: a loaded 2-core machine needs minutes to start Ray
 
     print(f"lineage: {lineage.seconds:.0f} s, kills {lineage.kills}, checkpoints {lineage.timeline}")
     assert audit(run_dir, lineage, epochs, keep=epochs, metric="harmonic/r@1") == []
