@@ -333,7 +333,7 @@ def _upload_raw(tmp: Path, endpoint: str) -> str:
 def run_s3(tmp: Path, base_env: dict[str, str], only: str = "") -> list[Outcome]:
     """Start SeaweedFS as tests/conftest.py does (by PID), a 503 proxy in front, run the S3 cases."""
     import boto3
-    from conftest import S3_BUCKET, _wait_for_s3, _weed_command
+    from conftest import S3_BUCKET, _stop_server, _wait_for_s3, _weed_command
     from conftest import _free_port as weed_port
     from s3proxy import ERROR_503, PASS, S3Proxy, every
 
@@ -373,12 +373,7 @@ def run_s3(tmp: Path, base_env: dict[str, str], only: str = "") -> list[Outcome]
     finally:
         if proxy is not None:
             proxy.stop()
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop_server(process)
 
 
 def markdown(outcomes: list[Outcome]) -> str:

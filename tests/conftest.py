@@ -128,6 +128,16 @@ def _wait_for_s3(endpoint: str, process: subprocess.Popen, log: Path, timeout: f
                        f"{log.read_text()[-2000:]}")
 
 
+def _stop_server(process: subprocess.Popen) -> None:
+    """Stop the S3 server by its PID: SIGTERM, then SIGKILL after 15 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="session")
 def s3_server(aws_test_env, tmp_path_factory):
     """A real S3 server (SeaweedFS) on loopback with enforced credentials and bucket ``puma-test``."""
@@ -147,12 +157,7 @@ def s3_server(aws_test_env, tmp_path_factory):
             Bucket=S3_BUCKET)
         yield S3Server(endpoint=endpoint, bucket=S3_BUCKET, data_dir=data_dir, process=process)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop_server(process)
 
 
 @pytest.fixture
