@@ -187,7 +187,12 @@ def ray_cluster(aws_test_env):
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     import ray.data
 
+    from puma.runtime import route_worker_output
+
     ray.data.DataContext.get_current().enable_progress_bars = False
+    # as a job's own Ray does: only our lines and progress leave the workers for the console, so
+    # Ray Train/Data log lines of one test's workers, forwarded late, never land in another test's stderr
+    route_worker_output(verbose=False)
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
