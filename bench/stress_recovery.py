@@ -15,8 +15,9 @@ meets both. A killed driver is started again with the same command. Modes: ``clu
 
 A repetition passes when tests/kill_harness.audit finds nothing: no epoch written at or below the
 newest complete one, every attempt continued after the newest complete epoch and said so, history
-1..E with rising steps, resumes == kills and 0 epochs recomputed, only the newest two checkpoint
-folders left, best/ holding the run's best model (complete, probe reproduced). A driver that dies
+1..E with rising steps, resumes == kills and 0 epochs recomputed, the newest two checkpoint folders
+left and no others but those Ray's snapshot names (Ray's retention; never one Ray did not register),
+best/ holding the run's best model (complete, probe reproduced). A driver that dies
 before its training starts (its Ray timing out at startup on a loaded machine) is started again
 and counted apart. Results: bench/results/stress_recovery.json and .md (machine, commit, each run).
 """

@@ -47,7 +47,8 @@ def demo_read(data_uri: str) -> tuple[dict, set[str]]:
     shards = sorted(Path(data_uri).glob("*/*.parquet"))
     if not shards:
         raise SystemExit(f"no prepared demo data under {data_uri}: run `python jobs/train.py` first")
-    paths = [p for shard in shards for p in pq.read_table(shard, columns=["source_path"])["source_path"].to_pylist()]
+    paths = [p for shard in shards
+             for p in pq.read_table(shard, columns=["source_path"])["source_path"].to_pylist()]
     return manifest.datasets, {p if "#" in p else str(Path(p).resolve()) for p in paths}
 
 

@@ -301,11 +301,7 @@ def audit(run_dir: Path, lineage: Lineage, epochs: int, keep: int, metric: str) 
             problems.append(f"{event.name} wrote epoch {event.epoch} after epoch {newest} was complete")
         newest = max(newest, event.epoch)
     folders = complete_checkpoints(run_dir)
-    left = sorted(f["epoch"] for f in folders)
-    expected_left = list(range(1, epochs + 1))[-keep:]
-    if left != expected_left:
-        problems.append(f"checkpoint folders left {left}, expected {expected_left} "
-                        f"(train.checkpoints_to_keep={keep})")
+    problems += _audit_retention(run_dir, folders, epochs, keep)
     if len([p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir()]) != len(folders):
         problems.append("incomplete checkpoint folders were left behind")
     problems += _audit_attempts(run_dir, lineage)
@@ -315,6 +311,30 @@ def audit(run_dir: Path, lineage: Lineage, epochs: int, keep: int, metric: str) 
         return problems + ["no complete checkpoint left"]
     problems += _audit_state(final["run_state"], epochs, len(lineage.kills))
     problems += _audit_best(run_dir, final["run_state"]["history"], metric)
+    return problems
+
+
+def registered_names(run_dir: Path) -> set[str]:
+    """The checkpoint folders Ray Train's snapshot names (the ones its own retention manages)."""
+    snapshot = Path(run_dir) / "checkpoint_manager_snapshot.json"
+    if not snapshot.is_file():
+        return set()
+    return {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text()).get("checkpoint_results", [])}
+
+
+def _audit_retention(run_dir: Path, folders: list[dict], epochs: int, keep: int) -> list[str]:
+    """The newest ``keep`` epochs are left; any other folder is one Ray registered (Ray's to remove: a
+    folder its snapshot names must stay), at most ``keep`` of those; none that Ray never registered."""
+    newest = list(range(1, epochs + 1))[-keep:]
+    registered = registered_names(run_dir)
+    left = sorted(f["epoch"] for f in folders)
+    unregistered_old = sorted(f["epoch"] for f in folders
+                              if f["epoch"] not in newest and f["name"] not in registered)
+    problems = []
+    if not set(newest) <= set(left) or unregistered_old or len(registered) > keep:
+        problems.append(f"checkpoint folders left {left}, expected {newest} plus at most {keep} that Ray's "
+                        f"snapshot names (train.checkpoints_to_keep={keep}); never registered: "
+                        f"{unregistered_old}; registered: {sorted(registered)}")
     return problems
 
 

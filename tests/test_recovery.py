@@ -183,7 +183,9 @@ def test_attempts_are_numbered_past_every_record_and_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- retention
 
 
-def test_retention_removes_orphans_after_keep_new_checkpoints_and_never_a_registered_one(run_uri):
+def test_retention_removes_unregistered_folders_once_outranked_and_never_a_registered_one(run_uri):
+    """Ray registered epochs 1 and 5 (5 cut off mid-write); 2, 3 and the source 4 it never registered:
+    ours to remove as soon as they fall out of the newest two (keep=2), the source included."""
     for epoch in (1, 2, 3, 4):
         write(run_uri, epoch)
     incomplete = storage.join(run_uri, recovery.checkpoint_dir_name(5, 1))
@@ -191,13 +193,29 @@ def test_retention_removes_orphans_after_keep_new_checkpoints_and_never_a_regist
     registered = {recovery.checkpoint_dir_name(1, 1), recovery.checkpoint_dir_name(5, 1)}
     plan, _ = recovery.plan_resume(run_uri, recovery.checkpoint_dir_name(1, 1), registered, load_model)
     assert plan.epoch == 4 and names(plan.orphans) == [recovery.checkpoint_dir_name(e, 1) for e in (3, 2)]
+    assert [f.epoch for f in plan.behind] == [4, 3, 2, 1]
     assert recovery.remove_incomplete(plan, registered) == []  # Ray's snapshot names it: Ray's to remove
 
-    retention = recovery.Retention(keep=2, orphans=plan.orphans)
-    assert retention.after_checkpoint() == []  # one new checkpoint: the newest two are 5 (new) and 4
+    retention = recovery.Retention(keep=2, behind=plan.behind)
+    # one new checkpoint: the newest two are it and the source 4; 3 and 2 are outranked
     assert names(retention.after_checkpoint()) == [recovery.checkpoint_dir_name(e, 1) for e in (3, 2)]
+    # two new ones: the source is outranked too (Ray never registered it, so Ray would never remove it)
+    assert names(retention.after_checkpoint()) == [recovery.checkpoint_dir_name(4, 1)]
+    assert retention.after_checkpoint() == []
     left = sorted(names(storage.list_dirs(run_uri)))
-    assert left == [recovery.checkpoint_dir_name(e, 1) for e in (1, 4, 5)]  # 1, 5: registered; 4: the source
+    assert left == [recovery.checkpoint_dir_name(e, 1) for e in (1, 5)]  # registered: Ray's retention
+
+
+def test_retention_keeps_a_registered_source_and_removes_an_outranked_orphan_at_once(run_uri):
+    """The stress run's case: resumed from a registered 4 with an unregistered 3 behind it, the
+    attempt writes only epoch 5; 3 must go after that one checkpoint, not wait for two."""
+    for epoch in (2, 3, 4):
+        write(run_uri, epoch)
+    registered = {recovery.checkpoint_dir_name(e, 1) for e in (2, 4)}
+    plan, _ = recovery.plan_resume(run_uri, recovery.checkpoint_dir_name(4, 1), registered, load_model)
+    retention = recovery.Retention(keep=2, behind=plan.behind)
+    assert names(retention.after_checkpoint()) == [recovery.checkpoint_dir_name(3, 1)]
+    assert sorted(names(storage.list_dirs(run_uri))) == [recovery.checkpoint_dir_name(e, 1) for e in (2, 4)]
 
 
 # ----------------------------------------------------------------------------- best/

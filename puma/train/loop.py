@@ -108,7 +108,7 @@ def _resume(cfg: Config, module: TrainModule, scheduler,
 
     plan, ckpt, retention = None, None, recovery.Retention(cfg.train.checkpoints_to_keep)
     if _is_rank0():
-        plan, ckpt, retention.orphans = _plan_on_rank0(cfg, module, run_uri)
+        plan, ckpt, retention.behind = _plan_on_rank0(cfg, module, run_uri)
     choice = broadcast_from_rank_zero(None if plan is None else {
         "source": plan.source.uri if plan.source else None, "attempt": plan.attempt,
         "recomputed": plan.recomputed})
@@ -148,7 +148,7 @@ def _plan_on_rank0(cfg: Config, module: TrainModule, run_uri: str):
         _log(line)
     for name in recovery.remove_incomplete(plan, registered):
         _log(f"removed incomplete checkpoint folder {name}")
-    return plan, ckpt, plan.orphans
+    return plan, ckpt, plan.behind
 
 
 def _load_state(module: TrainModule, ckpt: CheckpointState, source: str) -> None:

@@ -127,6 +127,7 @@ class ResumePlan:
     incomplete: list[str] = field(default_factory=list)  # folders without a complete set of files
     skipped: list[tuple[str, str]] = field(default_factory=list)  # newer complete folders not usable: why
     orphans: list[str] = field(default_factory=list)  # older complete folders Ray never registered
+    behind: list[Found] = field(default_factory=list)  # the source, then older complete folders, newest first
     highest_epoch: int = 0  # the newest epoch any folder claims
 
     @property
@@ -167,11 +168,13 @@ def plan_resume(run_uri: str, ray_checkpoint: str | None, registered: set[str],
         if folder.epoch is None:
             plan.incomplete.append(folder.name)
         elif plan.source is not None:
+            plan.behind.append(folder)
             if not folder.registered:
                 plan.orphans.append(folder.uri)
         else:
             try:
                 loaded, plan.source = load(folder.uri), folder
+                plan.behind.append(folder)
             except IncompleteCheckpointError:
                 plan.incomplete.append(folder.name)
             except CheckpointError as exc:
@@ -209,22 +212,27 @@ def remove_incomplete(plan: ResumePlan, registered: set[str]) -> list[str]:
 
 @dataclass
 class Retention:
-    """``train.checkpoints_to_keep`` for the folders Ray does not manage (orphans of earlier attempts).
+    """``train.checkpoints_to_keep`` for the folders Ray does not manage.
 
-    An orphan is removed once this attempt has written ``keep`` newer checkpoints (they are
-    complete on storage before Ray registers them; Ray keeps its own newest ``keep``).
+    Ray keeps the newest ``keep`` of the checkpoints it registered, and knows no others. A folder
+    written but never registered (the lag after a kill: often the very checkpoint an attempt resumes
+    from) is ours to remove: as soon as it is no longer among the newest ``keep`` complete
+    checkpoints of the run, counting the ones this attempt has written (each is complete on storage
+    when counted). A registered folder is never removed here: Ray's snapshot names it, and Ray
+    refuses to start on a run folder whose snapshot names a missing checkpoint; Ray's retention
+    removes it once it has registered ``keep`` newer ones.
     """
 
     keep: int
-    orphans: list[str] = field(default_factory=list)
+    behind: list[Found] = field(default_factory=list)  # the attempt's source, then older complete folders
     written: int = 0
 
     def after_checkpoint(self) -> list[str]:
-        """Count one checkpoint written by this attempt; remove the orphans it has made redundant."""
+        """Count one checkpoint written by this attempt; remove the unregistered folders it has outranked."""
         self.written += 1
-        if self.written < max(1, self.keep) or not self.orphans:
-            return []
-        removed, self.orphans = self.orphans, []
+        still_newest = max(0, max(1, self.keep) - self.written)  # of `behind`, still in the newest keep
+        removed = [f.uri for f in self.behind[still_newest:] if not f.registered]
+        self.behind = [f for i, f in enumerate(self.behind) if i < still_newest or f.registered]
         for uri in removed:
             storage.delete(uri)
         return removed
