@@ -134,16 +134,18 @@ def test_crash_mid_commit_then_rerun_gives_every_item_exactly_once(ray_cluster, 
     with pytest.raises(RuntimeError, match="injected crash"):
         embed_catalogue(cfg, str(folder))
     monkeypatch.setattr(build, "write_manifest", real_write)
-    assert read_manifest(index).total == 8
+    first = read_manifest(index).total  # one commit: >= commit_rows (8) items, batches of <= 4
+    assert 8 <= first < 12
     assert (tmp_path / "index" / "shards" / "shard-00001").exists()  # unfinished shard left behind
 
     report = embed_catalogue(cfg, str(folder))
-    assert (report.skipped_indexed, report.embedded, report.total) == (8, 22, 30)
+    assert (report.skipped_indexed, report.embedded, report.total) == (first, 30 - first, 30)
     ids = stored(index)["item_id"].to_pylist()
     assert len(ids) == len(set(ids)) == 30
     manifest = read_manifest(index)
     assert manifest.total == sum(s.count for s in manifest.shards) == 30
-    assert [s.count for s in manifest.shards] == [8, 8, 8, 6]
+    counts = [s.count for s in manifest.shards]
+    assert counts[0] == first and all(8 <= c < 12 for c in counts[:-1]) and 0 < counts[-1] < 12, counts
     shard_dirs = sorted(os.listdir(tmp_path / "index" / "shards"))
     assert shard_dirs == [s.name for s in manifest.shards]  # the unfinished shard was removed
     assert verify(index).ok

@@ -264,15 +264,28 @@ def test_restored_trials_continue_from_their_newest_complete_checkpoint(resumed_
             assert record["after_epoch"] == max(before, default=0), (run.name, record)
 
 
-def test_asha_stops_the_bad_trial_early(resumed_sweep):
+def test_asha_stops_the_bad_trial_early_and_decides_every_trial_by_its_rule(resumed_sweep, setup):
+    """The bad lr is stopped at the first rung; every other decision is ASHA's rule applied to the rung
+    records in run order (stopped iff below the (1 - 1/rf) percentile of the earlier records), so a
+    good trial that happens to land below that cutoff (the tiny model is noisy) is stopped correctly."""
+    import numpy as np
+
     rows = resumed_sweep["rows"]  # in the order the trials ran
     assert [float(r["optim.lr"]) for r in rows] == [GOOD_LR, BAD_LR, GOOD_LR], "seeded TPE proposals changed"
+    bad = next(r for r in rows if float(r["optim.lr"]) == BAD_LR)
+    assert (bad["status"], int(bad["epochs"])) == ("stopped early", 1), rows
+    rung = json.loads((setup["sweep_dir"] / "asha_rungs.json").read_text())["brackets"][0][0]
+    assert rung["milestone"] == 1.0 and list(rung["recorded"]) == [r["trial_id"] for r in rows], rung
+    values = list(rung["recorded"].values())  # metric x sign (mode max: the metric itself), run order
+    for i, row in enumerate(rows):
+        cutoff = np.nanpercentile(values[:i], (1 - 1 / 3) * 100) if i else None  # reduction_factor 3
+        expected = "stopped early" if cutoff is not None and values[i] < cutoff else "completed"
+        assert row["status"] == expected, (row, values, cutoff)
+        assert int(row["epochs"]) == (1 if expected == "stopped early" else EPOCHS), row
     stopped = [r for r in rows if r["status"] == "stopped early"]
-    assert stopped, f"ASHA stopped no trial: {rows}"
-    assert all(int(r["epochs"]) == 1 and float(r["optim.lr"]) == BAD_LR for r in stopped)
-    assert [int(r["epochs"]) for r in rows if r not in stopped] == [EPOCHS] * (NUM_SAMPLES - len(stopped))
     assert resumed_sweep["summary"]["status_counts"]["stopped early"] == len(stopped)
-    assert resumed_sweep["summary"]["best"]["params"]["optim.lr"] == GOOD_LR
+    best = max(rows, key=lambda r: float(r["harmonic/r@1"]))
+    assert resumed_sweep["summary"]["best"]["params"]["optim.lr"] == float(best["optim.lr"]) == GOOD_LR
 
 
 def test_results_table_plots_and_best_config(resumed_sweep, setup):
