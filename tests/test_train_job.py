@@ -64,15 +64,6 @@ def _checkpoints(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("checkpoint_*/meta.json"))
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def _last_meta(run_dir: Path) -> dict:
     metas = [json.loads(p.read_text()) for p in _checkpoints(run_dir)]
     return max(metas, key=lambda m: m["epoch"])

@@ -126,7 +126,6 @@ class ResumePlan:
     ray_epoch: int | None = None
     incomplete: list[str] = field(default_factory=list)  # folders without a complete set of files
     skipped: list[tuple[str, str]] = field(default_factory=list)  # newer complete folders not usable: why
-    orphans: list[str] = field(default_factory=list)  # older complete folders Ray never registered
     behind: list[Found] = field(default_factory=list)  # the source, then older complete folders, newest first
     highest_epoch: int = 0  # the newest epoch any folder claims
 
@@ -134,6 +133,11 @@ class ResumePlan:
     def epoch(self) -> int:
         """Epochs already done (the source's epoch)."""
         return self.source.epoch if self.source is not None else 0
+
+    @property
+    def orphans(self) -> list[str]:
+        """Complete folders older than the source that Ray never registered."""
+        return [f.uri for f in self.behind[1:] if not f.registered]
 
     @property
     def recomputed(self) -> int:
@@ -169,8 +173,6 @@ def plan_resume(run_uri: str, ray_checkpoint: str | None, registered: set[str],
             plan.incomplete.append(folder.name)
         elif plan.source is not None:
             plan.behind.append(folder)
-            if not folder.registered:
-                plan.orphans.append(folder.uri)
         else:
             try:
                 loaded, plan.source = load(folder.uri), folder
