@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+# PUMA_BENCH_RESULTS: another folder (a lent GPU machine writes to its $OUT, copied back here)
+RESULTS = Path(os.environ.get("PUMA_BENCH_RESULTS") or ROOT / "bench" / "results")
 LIBRARIES = ("torch", "torchvision", "timm", "ray", "faiss-cpu", "faiss-gpu", "pytorch-metric-learning",
              "pyarrow", "numpy", "pillow", "optuna")
 
@@ -79,8 +80,9 @@ def environment() -> dict[str, Any]:
 
     return {"machine": {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "memory_gib": _memory_gib(),
                         "platform": platform.platform(), "python": platform.python_version()},
-            "device": device(), "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "device": device(), "commit": os.environ.get("PUMA_COMMIT") or _git("rev-parse", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")
+                          or os.environ.get("PUMA_DIRTY")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "libraries": library_versions(LIBRARIES)}

@@ -296,12 +296,26 @@ def test_memory_bank_moves_only_the_batch_prompts_and_equals_all_prompts_residen
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_memory_bank_on_gpu_keeps_the_table_on_cpu_and_equals_resident():
     banked, bank = train_with(RecordingBank, device="cuda")
     resident, _ = train_with(ResidentPrompts, device="cuda")
     assert {dev for _, _, dev in bank.record} == {"cuda"} and bank.table.device.type == "cpu"
     assert bank.exp_avg.device.type == "cpu"
-    assert_states_equal(banked, resident, atol=1e-5)
+    # The key third of each qkv bias (BitFit) has a true gradient of zero (softmax ignores a shift
+    # shared by every key): its rounding noise (~1e-8) differs between the two CUDA code paths, and
+    # Adam turns noise into steps of up to lr. Compare it by that bound, everything else exactly.
+    for state in (banked, resident):
+        for key in [k for k in state if k.endswith("attn.qkv.bias")]:
+            d = state[key].shape[0] // 3
+            state[key + ".key_third"] = state[key][d:2 * d]
+            state[key] = torch.cat([state[key][:d], state[key][2 * d:]])
+    keys = [k for k in banked if k.endswith(".key_third")]
+    max_lr = max(g["lr"] for g in build(vptspg_config(bitfit=True))[1].param_groups)
+    bound = 2 * 4 * 3 * max_lr  # two runs, 4 steps, an Adam step of at most ~3 lr on noise
+    assert keys and all((banked[k] - resident[k]).abs().max() <= bound for k in keys)
+    assert_states_equal({k: v for k, v in banked.items() if k not in keys},
+                        {k: v for k, v in resident.items() if k not in keys}, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- checkpoints
