@@ -33,7 +33,7 @@ from puma.data.sources import SourceSpec
 from puma.sweep import SearchSpaceError, SweepError, parse_space, plan_sweep
 from puma.sweep.report import SweepOutcome, TrialRow, best_row, trials_markdown, write_plots
 from puma.sweep.run import trial_statuses
-from puma.sweep.space import optuna_distributions
+from puma.sweep.space import grid_points, optuna_distributions, optuna_sampler
 from puma.sweep.trial import trial_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,6 +122,10 @@ BAD_SPACES = [
     ({"model.adapter.rank": {"type": "randint", "low": 4.5, "high": 64}}, r"low must be an integer"),
     ({"optim.lr": {"type": "normal", "low": 0.1, "high": 1}}, r"type one of \['choice'"),
     ({"optim.lr": {"type": "uniform", "low": 0.1}}, r"takes exactly \['high', 'low', 'type'\]"),
+    ({"optim.lr": {"type": "grid", "values": [1e-4, 1e-4]}}, r"grid values must be a non-empty list"),
+    ({"optim.lr": {"type": "grid", "values": [1e-4]},
+      "model.adapter.rank": {"type": "choice", "values": [4]}},
+     r"grid entries \['optim.lr'\] cannot be mixed with sampled ones \['model.adapter.rank'\]"),
 ]
 
 
@@ -144,6 +148,30 @@ def test_cli_stops_on_a_bad_space_before_any_trial(tmp_path, capsys):
     with pytest.raises(SearchSpaceError, match="search-space file .* not found"):
         plan_sweep(load_config(None, [f"sweep.space_file={tmp_path / 'missing.yaml'}",
                                       f"sweep.storage_path={tmp_path / 'sweeps'}"]))
+
+
+def test_a_grid_space_tries_every_combination_once_in_place_of_tpe(tmp_path):
+    import optuna
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({"optim.lr": {"type": "grid", "values": [3e-5, 1e-4, 3e-4]},
+                                    "model.adapter.rank": {"type": "grid", "values": [4, 8]}}))
+    base = [f"sweep.space_file={path}", f"sweep.storage_path={tmp_path / 'sweeps'}"]
+    with pytest.raises(SweepError, match="sweep.num_samples=8 must equal the grid's 6 combinations"):
+        plan_sweep(load_config(None, base))
+    plan = plan_sweep(load_config(None, [*base, "sweep.num_samples=6"]))
+    assert grid_points(plan.space) == 6 and grid_points(parse_space(TEST_SPACE)) == 0
+    sampler = optuna_sampler(plan.space, seed=0)
+    assert isinstance(sampler, optuna.samplers.GridSampler)
+    assert isinstance(optuna_sampler(parse_space(TEST_SPACE), seed=0), optuna.samplers.TPESampler)
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    dists = optuna_distributions(plan.space)
+    seen = []
+    for _ in range(6):
+        trial = study.ask(dists)
+        seen.append((trial.params["optim.lr"], trial.params["model.adapter.rank"]))
+        study.tell(trial, 0.0)
+    assert sorted(seen) == sorted((lr, r) for lr in (3e-5, 1e-4, 3e-4) for r in (4, 8))
 
 
 def test_sweep_options_are_checked_before_ray(tmp_path):

@@ -24,7 +24,9 @@ from puma.config import Config, ConfigError, absolute_paths, to_dict
 from puma.sweep.space import (
     SearchSpace,
     check_against_config,
+    grid_points,
     optuna_distributions,
+    optuna_sampler,
     read_space,
     space_to_dict,
 )
@@ -66,6 +68,10 @@ def plan_sweep(cfg: Config) -> SweepPlan:
     storage.configure(resolved.storage)
     space = read_space(resolved.sweep.space_file or str(DEFAULT_SPACE))
     check_against_config(space, resolved)
+    points = grid_points(space)
+    if points and resolved.sweep.num_samples != points:
+        raise SweepError(f"sweep.num_samples={resolved.sweep.num_samples} must equal the grid's {points} "
+                         "combinations (each is tried once)")
     _check_schedule(resolved)
     root = resolved.sweep.storage_path or storage.join(resolved.train.storage_path, "sweeps")
     sweep_dir = storage.join(root, resolved.sweep.name)
@@ -163,7 +169,7 @@ def _tune_config(plan: SweepPlan):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory ..."
     searcher = OptunaSearch(space=optuna_distributions(plan.space), metric=sweep.metric, mode=sweep.mode,
-                            seed=sweep.seed)
+                            sampler=optuna_sampler(plan.space, sweep.seed))
     scheduler = ResumableASHA(storage.join(plan.sweep_dir, ASHA_FILE), time_attr="epoch", metric=sweep.metric,
                               mode=sweep.mode, max_t=plan.resolved.train.epochs,
                               grace_period=sweep.grace_period, reduction_factor=sweep.reduction_factor,

@@ -7,6 +7,11 @@ Format (``tune/search_space.yaml``)::
     model.prompt_pool.pool_size: {type: randint, low: 5, high: 30}     # both ends inclusive
     optim.lr: {type: loguniform, low: 1.0e-5, high: 1.0e-3}
 
+or a grid, every combination tried once (Optuna's GridSampler instead of TPE; a grid cannot be
+mixed with sampled entries, and sweep.num_samples must equal the number of combinations)::
+
+    optim.lr: {type: grid, values: [3.0e-5, 1.0e-4, 3.0e-4]}
+
 Keys are the same dotted keys as ``jobs/train.py`` overrides, so a key that is not a config field
 is an error. Each distribution is checked on its own (types, low < high, loguniform low > 0), then
 every value it can reach at its bounds (each choice; low and high of a range) is built into a
@@ -26,7 +31,8 @@ import yaml
 from puma import storage
 from puma.config import Config, ConfigError, from_dict, set_dotted, to_dict, valid_keys
 
-KINDS = ("choice", "uniform", "loguniform", "randint")
+KINDS = ("choice", "uniform", "loguniform", "randint", "grid")
+LISTED = ("choice", "grid")  # kinds that take ``values``
 # Keys each trial sets itself (where it writes, what it evaluates): a space may not tune them.
 SWEEP_OWNED = ("train.run_name", "train.storage_path", "train.eval_split", "train.eval_every",
                "train.best_metric", "data.val_fraction")
@@ -48,14 +54,14 @@ class ParamSpec:
 
     def bounds(self) -> list[tuple[str, Any]]:
         """(label, value) of every extreme value this distribution can produce."""
-        if self.kind == "choice":
+        if self.kind in LISTED:
             return [(f"values[{i}]", v) for i, v in enumerate(self.values)]
         return [("low", self.low), ("high", self.high)]
 
     def to_dict(self) -> dict:
         """The YAML form of this entry."""
-        if self.kind == "choice":
-            return {"type": "choice", "values": list(self.values)}
+        if self.kind in LISTED:
+            return {"type": self.kind, "values": list(self.values)}
         return {"type": self.kind, "low": self.low, "high": self.high}
 
 
@@ -81,7 +87,18 @@ def parse_space(data: Any, source: str = "search space") -> SearchSpace:
     for key, entry in data.items():
         _check_key(str(key), keys, source)
         space[str(key)] = parse_param(str(key), entry)
+    grid = [k for k, spec in space.items() if spec.kind == "grid"]
+    if grid and len(grid) != len(space):
+        raise SearchSpaceError(f"{source}: grid entries {grid} cannot be mixed with sampled ones "
+                               f"{[k for k in space if k not in grid]}: make every entry a grid, or none")
     return space
+
+
+def grid_points(space: SearchSpace) -> int:
+    """How many combinations a grid space has (0: the space is sampled, not a grid)."""
+    if not space or any(spec.kind != "grid" for spec in space.values()):
+        return 0
+    return math.prod(len(spec.values) for spec in space.values())
 
 
 def _check_key(key: str, keys: dict[str, Any], source: str) -> None:
@@ -101,22 +118,22 @@ def parse_param(key: str, entry: Any) -> ParamSpec:
         raise SearchSpaceError(f"search space {key}: expected a mapping with type one of {list(KINDS)}, "
                                f"got {entry!r}")
     kind = entry["type"]
-    expected = {"type", "values"} if kind == "choice" else {"type", "low", "high"}
+    expected = {"type", "values"} if kind in LISTED else {"type", "low", "high"}
     if set(entry) != expected:
         raise SearchSpaceError(f"search space {key}: type {kind} takes exactly {sorted(expected)}, "
                                f"got {sorted(entry)}")
-    if kind == "choice":
-        return _parse_choice(key, entry["values"])
+    if kind in LISTED:
+        return _parse_choice(key, entry["values"], kind)
     return _parse_range(key, kind, entry["low"], entry["high"])
 
 
-def _parse_choice(key: str, values: Any) -> ParamSpec:
+def _parse_choice(key: str, values: Any, kind: str = "choice") -> ParamSpec:
     ok = isinstance(values, list) and values and all(
         isinstance(v, (bool, int, float, str)) for v in values)
     if not ok or len(set(values)) != len(values):
-        raise SearchSpaceError(f"search space {key}: choice values must be a non-empty list of distinct "
+        raise SearchSpaceError(f"search space {key}: {kind} values must be a non-empty list of distinct "
                                f"numbers, strings or booleans, got {values!r}")
-    return ParamSpec(key, "choice", values=tuple(values))
+    return ParamSpec(key, kind, values=tuple(values))
 
 
 def _parse_range(key: str, kind: str, low: Any, high: Any) -> ParamSpec:
@@ -171,13 +188,24 @@ def optuna_distributions(space: SearchSpace) -> dict[str, Any]:
 
     out = {}
     for key, spec in space.items():
-        if spec.kind == "choice":
+        if spec.kind in LISTED:
             out[key] = od.CategoricalDistribution(list(spec.values))
         elif spec.kind == "randint":
             out[key] = od.IntDistribution(int(spec.low), int(spec.high))
         else:
             out[key] = od.FloatDistribution(spec.low, spec.high, log=spec.kind == "loguniform")
     return out
+
+
+def optuna_sampler(space: SearchSpace, seed: int):
+    """TPE (seeded) for a sampled space; Optuna's GridSampler (seeded order) for a grid."""
+    import optuna
+
+    if grid_points(space):
+        from puma.sweep.grid import AskTellGridSampler
+
+        return AskTellGridSampler({k: list(s.values) for k, s in space.items()}, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def space_to_dict(space: SearchSpace) -> dict:
