@@ -41,6 +41,20 @@ def _check_range(name: str, value: float, lo: float, hi: float) -> None:
     _check(lo <= value <= hi, f"{name}={value!r} is out of range; valid: {lo} <= {name} <= {hi}")
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _check_custom_resources(name: str, value: dict) -> None:
+    """{resource name: amount > 0}; CPU, GPU and memory have keys of their own."""
+    _check(isinstance(value, dict), f"{name} must be a mapping of custom resource -> amount, got {value!r}")
+    for key, amount in value.items():
+        _check(str(key) not in ("CPU", "GPU", "memory", "object_store_memory"),
+               f"{name}: {key!r} is set by its own key (cpus/gpus per worker or actor); list custom "
+               "resources only")
+        ok = isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount > 0
+        _check(ok, f"{name}: {key}={amount!r} must be a number > 0")
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
@@ -317,6 +331,8 @@ class DataConfig:
     shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | local (block order) | none
     shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
     decode_batch_size: int = 32  # rows per Ray Data decode task batch
+    deterministic: bool = False  # each worker gets the same rows in the same order on every run (Ray
+    # Data preserve_order): multi-worker runs repeat exactly, wherever the workers are placed; a little slower
 
     def __post_init__(self) -> None:
         _check_range("data.val_fraction", self.val_fraction, 0.0, 0.9)
@@ -387,9 +403,14 @@ class TrainConfig:
     best_metric: str = "harmonic/r@1"  # the metric that picks <run>/best
     max_failures: int = 2  # worker failures Ray Train recovers from (restarting from the last checkpoint)
     checkpoints_to_keep: int = 2  # the newest checkpoints kept (best/ is kept apart)
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
+    worker_resources: dict = field(default_factory=dict)  # custom Ray resources per worker, e.g. {pool_a: 1}:
+    # pins workers to the nodes that offer them (`ray start --resources`)
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs must be >= 1")
+        _check_choice("train.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        _check_custom_resources("train.worker_resources", self.worker_resources)
         _check(self.batch_size >= 2, "train.batch_size must be >= 2 (metric learning needs pairs)")
         _check(self.num_workers >= 1, "train.num_workers must be >= 1")
         _check_choice("train.precision", self.precision, ("bf16", "fp16", "fp32"))
@@ -468,8 +489,11 @@ class EmbedConfig:
     commit_rows: int = 50_000  # items per index commit: a crash loses at most this much work
     expected_items: int = 0  # size the index plan for this many items; 0: the first catalogue's size
     retry_rejects: bool = False  # re-try items listed in the catalogue's rejects file (default: skip them)
+    actor_resources: dict = field(default_factory=dict)  # custom Ray resources per embedding actor, e.g.
+    # {embed_slot: 1} with one slot per node: one actor per node
 
     def __post_init__(self) -> None:
+        _check_custom_resources("embed.actor_resources", self.actor_resources)
         _check(self.batch_size >= 1, f"embed.batch_size={self.batch_size!r} must be >= 1")
         _check(self.concurrency >= 1, f"embed.concurrency={self.concurrency!r} must be >= 1 actor")
         _check(self.num_cpus > 0, f"embed.num_cpus={self.num_cpus!r} must be > 0")

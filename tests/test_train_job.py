@@ -5,21 +5,17 @@ their embeddings, and `ray job submit` to a real cluster."""
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from kill_harness import Kill, attempt_records, audit, cluster_launcher, complete_checkpoints, run_lineage
+from raynodes import cluster_env, start_head_with_retries, stop_node
 from tiny import TINY_BACKBONE
 
 from puma.checkpoint import CheckpointError, load_model, read_checkpoint
@@ -163,101 +159,14 @@ def test_a_run_on_s3_continues_from_its_newest_complete_checkpoint_when_ray_has_
     load_model(second.best_checkpoint)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RayHead:
-    """A running `ray start --head` cluster: dashboard (Jobs API) and GCS addresses, its env and pid."""
-
-    address: str  # http://127.0.0.1:<dashboard port>
-    gcs: str  # 127.0.0.1:<gcs port>, for RAY_ADDRESS
-    ray_bin: str
-    env: dict
-    pid: int
-
-
-HEAD_ATTEMPTS = 3
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """A real `ray start --head --block` cluster on loopback, the Jobs API on a free port.
-
-    Up means the dashboard answers and the raylet logged "Raylet of id ... started" (past its wait for
-    the dashboard agent's port files, a fixed 15 s in Ray 2.60: on a loaded machine the raylet can
-    abort there and take the head down, ray-project/ray#65983); a head that dies on the way is
-    started again, at most HEAD_ATTEMPTS times. Stopped by signalling its own process group:
-    `ray stop` would stop every Ray on the machine.
-    """
-    ray_bin = str(Path(PYTHON).parent / "ray")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # Ray 2.60 token auth, as in prod
-    env["PATH"] = f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}"  # `python` = this venv's
-    for _ in range(HEAD_ATTEMPTS):
-        temp = tmp_path_factory.mktemp("rayhead", numbered=True)
-        gcs, dash = _free_port(), _free_port()
-        head = _start_head(ray_bin, env, temp, gcs, dash)
-        if _head_up(head, temp, f"http://127.0.0.1:{dash}", timeout=180):
-            break
-        _stop_head(head)
-    else:
-        raise AssertionError(f"ray start --head did not come up in {HEAD_ATTEMPTS} attempts; see {temp}")
+    """A real `ray start --head --block` cluster on loopback, Jobs API on a free port (tests/raynodes.py)."""
+    head = start_head_with_retries(cluster_env())
     try:
-        yield RayHead(f"http://127.0.0.1:{dash}", f"127.0.0.1:{gcs}", ray_bin, env, head.pid)
+        yield head
     finally:
-        _stop_head(head)
-
-
-def _start_head(ray_bin: str, env: dict, temp: Path, gcs: int, dash: int) -> subprocess.Popen:
-    return subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={gcs}",
-                             "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-                             f"--dashboard-port={dash}", "--num-cpus=4", f"--temp-dir={temp}",
-                             # every agent port free-picked: another Ray on this machine may hold defaults
-                             f"--dashboard-agent-listen-port={_free_port()}",
-                             f"--dashboard-agent-grpc-port={_free_port()}",
-                             f"--metrics-export-port={_free_port()}",
-                             f"--runtime-env-agent-port={_free_port()}",
-                             "--disable-usage-stats"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _head_up(head: subprocess.Popen, temp: Path, address: str, timeout: float) -> bool:
-    """The raylet started and the dashboard answers (True), or the head exited or timed out (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and head.poll() is None:
-        logs = list(temp.glob("session_latest/logs/raylet.out"))
-        started = bool(logs) and "Raylet of id" in logs[0].read_text(errors="replace")
-        if started and _answers(f"{address}/api/version"):
-            time.sleep(1.0)
-            return head.poll() is None
-        time.sleep(0.5)
-    return False
-
-
-def _stop_head(head: subprocess.Popen) -> None:
-    """SIGTERM to the head's process group (its GCS, raylet and agents too, if `ray start` is gone)."""
-    try:
-        os.killpg(head.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    head.wait(timeout=60)
-
-
-def _answers(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
-        return True
-    except OSError:
-        return False
+        stop_node(head.pid)
 
 
 def test_ray_job_submit_runs_training(ray_head, tiny_data, tmp_path):

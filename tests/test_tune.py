@@ -356,6 +356,22 @@ def test_resume_with_other_settings_is_refused(resumed_sweep, setup):
         plan_sweep(load_config(setup["config"], ["sweep.resume=false", f"sweep.space_file={setup['space']}"]))
 
 
+def test_a_config_key_added_since_the_sweep_started_keeps_it_resumable_at_its_default(resumed_sweep, setup):
+    """A sweep started by an older version lacks keys added since: at their defaults they change nothing."""
+    plan_file = setup["sweep_dir"] / "sweep.yaml"
+    saved = plan_file.read_text()
+    try:
+        started = yaml.safe_load(saved)
+        del started["config"]["train"]["placement_strategy"], started["config"]["data"]["deterministic"]
+        plan_file.write_text(yaml.safe_dump(started))
+        plan_sweep(load_config(setup["config"], [f"sweep.space_file={setup['space']}"]))  # resumable
+        with pytest.raises(SweepError, match=r"'config.train.placement_strategy: None -> 'SPREAD''"):
+            plan_sweep(load_config(setup["config"], ["train.placement_strategy=SPREAD",
+                                                     f"sweep.space_file={setup['space']}"]))
+    finally:
+        plan_file.write_text(saved)
+
+
 # ----------------------------------------------------------------------------- placement groups
 
 

@@ -279,7 +279,7 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
     ds = ds.map_batches(
         Embedder, batch_format="numpy", batch_size=cfg.embed.batch_size,
         compute=ray.data.ActorPoolStrategy(size=cfg.embed.concurrency), num_cpus=cfg.embed.num_cpus,
-        num_gpus=cfg.embed.num_gpus if use_gpu else None,
+        num_gpus=cfg.embed.num_gpus if use_gpu else None, resources=cfg.embed.actor_resources or None,
         fn_constructor_kwargs={"checkpoint": run.checkpoint, "backbone_weights": cfg.embed.backbone_weights,
                                "storage_cfg": storage.current_config(), "use_gpu": use_gpu,
                                "threads": int(cfg.embed.num_cpus)})

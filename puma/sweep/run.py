@@ -203,20 +203,25 @@ def _check_resumable(plan: SweepPlan) -> None:
     if not storage.exists(uri):
         return
     started = yaml.safe_load(storage.read_text(uri))
-    changed = _diff(started, plan.record())
+    defaults = {"config": to_dict(Config())}  # a key added to the code since keeps its default: no change
+    changed = _diff(started, plan.record(), defaults=defaults)
     if changed:
         raise SweepError(f"sweep {storage.redact(plan.sweep_dir)} was started with other settings; changed: "
                          f"{changed[:10]}. Re-run with the same config, space and overrides, or choose "
                          "another sweep.name")
 
 
-def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested dicts."""
-    out = []
+def _diff(old: dict, new: dict, prefix: str = "", defaults: dict | None = None) -> list[str]:
+    """Dotted keys whose values differ between two nested dicts; a key only ``new`` has is no change
+    when its value is the one in ``defaults`` (a config field added since the sweep started)."""
+    out, defaults = [], defaults or {}
     for key in sorted(set(old) | set(new)):
         a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
+        default = defaults.get(key) if isinstance(defaults, dict) else None
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, f"{name}.")
+            out += _diff(a, b, f"{name}.", default if isinstance(default, dict) else None)
+        elif key not in old and key in defaults and b == default:
+            continue
         elif a != b:
             out.append(f"{name}: {a!r} -> {b!r}")
     return out

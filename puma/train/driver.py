@@ -31,11 +31,22 @@ class TrainOutcome:
 
 def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
     """Workers, GPUs and CPU fractions from config (fractional CPUs leave room for Ray Data)."""
-    resources = {"CPU": cfg.train.cpus_per_worker}
+    resources = {"CPU": cfg.train.cpus_per_worker, **cfg.train.worker_resources}
     if cfg.train.use_gpu:
         resources["GPU"] = cfg.train.gpus_per_worker
     return ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                   resources_per_worker=resources)
+                                   resources_per_worker=resources,
+                                   placement_strategy=cfg.train.placement_strategy)
+
+
+def data_config(cfg: Config) -> ray.train.DataConfig:
+    """The train split across workers; with data.deterministic, in a fixed order (preserve_order: Ray
+    Data's output splitter then gives each worker the same rows every run, ignoring locality)."""
+    options = None
+    if cfg.data.deterministic:
+        options = ray.train.DataConfig.default_ingest_options()
+        options.preserve_order = True
+    return ray.train.DataConfig(datasets_to_split=["train"], execution_options=options)
 
 
 def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfig:
@@ -134,7 +145,7 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
         train_loop_per_worker,
         train_loop_config={"config": to_dict(cfg), "run_uri": uri, **info},
         scaling_config=scaling_config(cfg), run_config=run_config(cfg, callbacks), datasets=datasets,
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]))
+        dataset_config=data_config(cfg))
     result = trainer.fit()
     last, metrics = _last_checkpoint(uri, result)
     best = storage.join(uri, BEST_DIR)

@@ -107,8 +107,9 @@ def _resume(cfg: Config, module: TrainModule, scheduler,
     from ray.train.collective import broadcast_from_rank_zero
 
     plan, ckpt, retention = None, None, recovery.Retention(cfg.train.checkpoints_to_keep)
+    workers = _worker_placement()  # every rank takes part
     if _is_rank0():
-        plan, ckpt, retention.behind = _plan_on_rank0(cfg, module, run_uri)
+        plan, ckpt, retention.behind = _plan_on_rank0(cfg, module, run_uri, workers)
     choice = broadcast_from_rank_zero(None if plan is None else {
         "source": plan.source.uri if plan.source else None, "attempt": plan.attempt,
         "recomputed": plan.recomputed})
@@ -126,7 +127,22 @@ def _resume(cfg: Config, module: TrainModule, scheduler,
     return state, (ckpt.optimizer if ckpt is not None else None), retention
 
 
-def _plan_on_rank0(cfg: Config, module: TrainModule, run_uri: str):
+def _worker_placement() -> list[dict]:
+    """Each rank's Ray node id, host and pid, gathered on every rank (recorded with the attempt)."""
+    import socket
+
+    import torch.distributed as dist
+
+    me = {"rank": ray.train.get_context().get_world_rank(), "host": socket.gethostname(), "pid": os.getpid(),
+          "node_id": ray.get_runtime_context().get_node_id()}
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [me]
+    everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, me)
+    return everyone
+
+
+def _plan_on_rank0(cfg: Config, module: TrainModule, run_uri: str, workers: list[dict]):
     """Choose (and load) the checkpoint to continue from, record the attempt, clean up, log it."""
     from ray.train import CheckpointConsistencyMode
 
@@ -143,6 +159,7 @@ def _plan_on_rank0(cfg: Config, module: TrainModule, run_uri: str):
         return ckpt
 
     plan, ckpt = recovery.plan_resume(run_uri, ray_name, registered, load)
+    plan.workers = workers
     recovery.record_attempt(plan)
     for line in recovery.plan_summary(plan):
         _log(line)

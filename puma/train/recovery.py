@@ -128,6 +128,7 @@ class ResumePlan:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # newer complete folders not usable: why
     behind: list[Found] = field(default_factory=list)  # the source, then older complete folders, newest first
     highest_epoch: int = 0  # the newest epoch any folder claims
+    workers: list[dict] = field(default_factory=list)  # where each rank of the attempt runs (node, host, pid)
 
     @property
     def epoch(self) -> int:
@@ -150,7 +151,8 @@ class ResumePlan:
                 "after_epoch": self.epoch, "ray_checkpoint": self.ray_checkpoint, "ray_epoch": self.ray_epoch,
                 "incomplete": self.incomplete, "skipped": [list(s) for s in self.skipped],
                 "orphans": [folder_name(u) for u in self.orphans], "recomputed_epochs": self.recomputed,
-                "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "host": socket.gethostname(), "workers": self.workers,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def plan_resume(run_uri: str, ray_checkpoint: str | None, registered: set[str],

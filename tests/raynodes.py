@@ -1,0 +1,175 @@
+"""Real Ray clusters on this machine for tests: `ray start --head` and more nodes joining it.
+
+Each node is a `ray start --block` process in a session of its own (its GCS, raylet, agents and
+workers below it), on 127.0.0.1, with every port free-picked (another Ray on the machine may hold
+the defaults) and Ray 2.60's token auth on, as in production. A node is stopped or killed by
+signalling its own process group (`ray stop` would stop every Ray on the machine), bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PYTHON = sys.executable
+RAY_BIN = str(Path(PYTHON).parent / "ray")
+HEAD_ATTEMPTS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_env() -> dict:
+    """The environment of every node and driver of one cluster: a fresh auth token, this venv first."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # Ray 2.60 token auth
+    env["PATH"] = f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}"  # `python` = this venv's
+    return env
+
+
+@dataclass
+class RayHead:
+    """A running `ray start --head` cluster: dashboard (Jobs API) and GCS addresses, its env and pid."""
+
+    address: str  # http://127.0.0.1:<dashboard port>
+    gcs: str  # 127.0.0.1:<gcs port>, for RAY_ADDRESS
+    ray_bin: str
+    env: dict
+    pid: int
+    temp: Path
+
+
+def _agent_ports() -> list[str]:
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+
+
+def _resources(resources: dict | None) -> list[str]:
+    return [f"--resources={json.dumps(resources)}"] if resources else []
+
+
+def start_head(env: dict, temp: Path, cpus: int = 4, resources: dict | None = None) -> RayHead | None:
+    """`ray start --head`, up once its raylet started and the dashboard answers; None if it died.
+
+    Up means the raylet logged "Raylet of id ... started" (past its wait for the dashboard agent's
+    port files, a fixed 15 s in Ray 2.60: on a loaded machine the raylet can abort there and take the
+    head down, ray-project/ray#65983) and the dashboard answers.
+    """
+    gcs, dash = free_port(), free_port()
+    temp.mkdir(parents=True, exist_ok=True)
+    head = subprocess.Popen([RAY_BIN, "start", "--head", "--block", f"--port={gcs}",
+                             "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+                             f"--dashboard-port={dash}", f"--num-cpus={cpus}", f"--temp-dir={temp}",
+                             *_resources(resources), *_agent_ports(), "--disable-usage-stats"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    if _raylet_up(head, temp, timeout=180, url=f"http://127.0.0.1:{dash}/api/version"):
+        return RayHead(f"http://127.0.0.1:{dash}", f"127.0.0.1:{gcs}", RAY_BIN, env, head.pid, temp)
+    stop_node(head)
+    return None
+
+
+def short_temp(prefix: str = "rn") -> Path:
+    """A fresh folder under /tmp with a short name: Ray's socket paths below it must stay < 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def start_head_with_retries(env: dict, temp_factory=short_temp, cpus: int = 4,
+                            resources: dict | None = None) -> RayHead:
+    """start_head, started again when it dies on the way (at most HEAD_ATTEMPTS times)."""
+    for _ in range(HEAD_ATTEMPTS):
+        temp = temp_factory()
+        head = start_head(env, temp, cpus, resources)
+        if head is not None:
+            return head
+    raise AssertionError(f"ray start --head did not come up in {HEAD_ATTEMPTS} attempts; see {temp}")
+
+
+def start_node(head: RayHead, cpus: int = 4, resources: dict | None = None,
+               attempts: int = HEAD_ATTEMPTS) -> subprocess.Popen:
+    """A worker node joining ``head`` (its own raylet, node id and resources); up once its raylet started."""
+    for _ in range(attempts):
+        temp = short_temp("rw")
+        node = subprocess.Popen([RAY_BIN, "start", "--block", f"--address={head.gcs}",
+                                 "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", f"--temp-dir={temp}",
+                                 *_resources(resources), *_agent_ports(), "--disable-usage-stats"],
+                                env=head.env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        if _raylet_up(node, temp, timeout=180):
+            return node
+        stop_node(node)
+    raise AssertionError(f"a worker node did not join {head.gcs} in {attempts} attempts; see {temp}")
+
+
+def _raylet_up(proc: subprocess.Popen, temp: Path, timeout: float, url: str = "") -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        logs = list(temp.glob("session_latest/logs/raylet.out"))
+        started = bool(logs) and "Raylet of id" in logs[0].read_text(errors="replace")
+        if started and (not url or answers(url)):
+            time.sleep(1.0)
+            return proc.poll() is None
+        time.sleep(0.5)
+    return False
+
+
+def stop_node(proc: subprocess.Popen | int, sig: int = signal.SIGKILL, timeout: float = 60) -> None:
+    """Signal a node's process group (its raylet, agents and workers too); wait for `ray start` to exit.
+
+    SIGKILL by default: on SIGTERM `ray start` first asks the GCS to drain the node, and the GCS, sent
+    SIGTERM at the same moment, is gone, so it waits 30 s for nothing.
+    """
+    pid = proc if isinstance(proc, int) else proc.pid
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return
+    if isinstance(proc, subprocess.Popen):
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+
+
+def kill_node(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL a node: its whole process group at once (raylet, workers), as a lost machine; their pids."""
+    group = [p for p in _pids() if _pgid(p) == proc.pid]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    return group
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
+        return True
+    except OSError:
+        return False
