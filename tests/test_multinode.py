@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 from conftest import AWS_TEST_ENV, _free_port, _stop_server, _wait_for_s3, _weed_command
-from raynodes import RayHead, cluster_env, kill_node, start_head_with_retries, start_node, stop_node
+from raynodes import RAY_BIN, RayHead, cluster_env, kill_node, start_head_with_retries, start_node, stop_node
 from tiny import TINY_BACKBONE
 
 from puma import storage
@@ -33,6 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
 PYTHON = sys.executable
 BUCKET = "multinode"
+# node_a / node_b pin training workers; one embed_slot per node puts one embedding actor on each
+# and one trial_slot per node puts two concurrent sweep trials on different nodes
+HEAD_RESOURCES = {"node_a": 4, "embed_slot": 1, "trial_slot": 1}
+NODE_B_RESOURCES = {"node_b": 4, "embed_slot": 1, "trial_slot": 1}
 
 
 # ----------------------------------------------------------------------------- S3 server, restartable
@@ -77,28 +81,38 @@ class TwoNodes:
     def restart_node_b(self) -> None:
         """A new second node (new node id, same resources), as a replacement machine joining."""
         self.restarts += 1
-        self.node_b = start_node(self.head, resources={"node_b": 4})
+        self.node_b = start_node(self.head, resources=NODE_B_RESOURCES)
 
 
 @pytest.fixture(scope="module")
-def cluster(aws_test_env, tmp_path_factory):
+def own_s3(aws_test_env, tmp_path_factory):
+    """This module's own S3 server (the tests stop and restart it) with bucket ``multinode``."""
     s3 = OwnS3(tmp_path_factory.mktemp("weed"))
     s3.start()
-    temp = tmp_path_factory.mktemp("nodes")
-    head = node_b = None
     try:
         storage.configure(s3.storage_config)
         storage.ensure_bucket(f"s3://{BUCKET}/x")
-        head = start_head_with_retries(cluster_env(), resources={"node_a": 4})
-        node_b = start_node(head, resources={"node_b": 4})
+        yield s3
+    finally:
+        storage.configure(StorageConfig())
+        s3.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(own_s3, tmp_path_factory):
+    """Two Ray nodes (head: node_a, second: node_b) whose jobs keep everything on ``own_s3``."""
+    s3, temp = own_s3, tmp_path_factory.mktemp("nodes")
+    head = node_b = None
+    try:
+        storage.configure(s3.storage_config)
+        head = start_head_with_retries(cluster_env(), resources=HEAD_RESOURCES)
+        node_b = start_node(head, resources=NODE_B_RESOURCES)
         yield (two := TwoNodes(head, node_b, s3, temp))
         node_b = two.node_b
     finally:
-        storage.configure(StorageConfig())
         for node in (node_b, head.pid if head else None):
             if node is not None:
                 stop_node(node)
-        s3.stop()
 
 
 @pytest.fixture(scope="module")
@@ -170,52 +184,21 @@ def attempts(run: str) -> list[dict]:
     return [json.loads(storage.read_text(u)) for u in sorted(storage.list_files(folder, suffix=".json"))]
 
 
-def model_state(run: str) -> dict[str, torch.Tensor]:
-    from puma.checkpoint import read_checkpoint
-    from puma.train.recovery import newest_complete
-
-    return read_checkpoint(newest_complete(f"s3://{BUCKET}/runs/{run}").uri).model
-
-
 # ----------------------------------------------------------------------------- training across nodes
 
 
-def test_training_across_two_nodes_equals_two_workers_on_one_node(cluster, s3_data, tmp_path):
-    """STRICT_SPREAD puts one worker on each node (gloo between them); the same seed with both
-    workers pinned to the head (node_a) must give the same history and weights: data.deterministic
-    hands each rank the same rows, so only the placement differs."""
-    spread = train_config(tmp_path / "spread.yaml", cluster, s3_data, "spread", epochs=2,
-                          placement_strategy="STRICT_SPREAD")
-    packed = train_config(tmp_path / "packed.yaml", cluster, s3_data, "packed", epochs=2,
-                          worker_resources={"node_a": 1})
-    for config, log in ((spread, tmp_path / "spread.log"), (packed, tmp_path / "packed.log")):
-        finish(start_driver(cluster, config, log), log)
-
-    spread_nodes = {w["node_id"] for w in attempts("spread")[0]["workers"]}
-    packed_nodes = {w["node_id"] for w in attempts("packed")[0]["workers"]}
-    assert len(spread_nodes) == 2 and len(packed_nodes) == 1, (spread_nodes, packed_nodes)
-    a, b = run_state("spread")["history"], run_state("packed")["history"]
-    assert [h["epoch"] for h in a] == [h["epoch"] for h in b] == [1, 2]
-    for ha, hb in zip(a, b, strict=True):
-        assert ha["step"] == hb["step"] and ha["train/loss"] == pytest.approx(hb["train/loss"], rel=1e-4)
-        assert ha["harmonic/r@1"] == pytest.approx(hb["harmonic/r@1"], abs=1e-6)
-    wa, wb = model_state("spread"), model_state("packed")
-    assert set(wa) == set(wb)
-    for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
-    assert not list(Path(REPO).glob("artifacts/runs/spread*")), "nothing of the run may land on local disk"
-
-
-# ----------------------------------------------------------------------------- a node lost mid-epoch
-
-
 def complete_epochs(run: str) -> list[int]:
-    """Epochs of the run's checkpoint folders on S3 whose meta.json exists (written last: complete).
+    """Epochs of s3://BUCKET/runs/<run>'s checkpoint folders whose meta.json exists (written last)."""
+    return complete_epochs_at(f"s3://{BUCKET}/runs/{run}")
+
+
+def complete_epochs_at(run_uri: str) -> list[int]:
+    """Epochs of the checkpoint folders under ``run_uri`` whose meta.json exists (written last: complete).
 
     Cheap on purpose (a listing and one HEAD per folder), so a kill can follow a checkpoint closely.
     """
     epochs = []
-    for uri in storage.list_dirs(f"s3://{BUCKET}/runs/{run}"):
+    for uri in storage.list_dirs(run_uri):
         name = uri.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith("checkpoint_epoch") and storage.exists(storage.join(uri, "meta.json")):
             epochs.append(int(name[len("checkpoint_epoch"):].split("_")[0]))
@@ -235,27 +218,265 @@ def wait_for_step(log: Path, epoch: int, epochs: int, driver: subprocess.Popen, 
     raise AssertionError(f"epoch {epoch} was not seen part-way in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
-def test_a_node_lost_mid_epoch_is_survived_without_losing_or_repeating_an_epoch(cluster, s3_data, tmp_path):
-    """SIGKILL the second node (its raylet and its worker) part-way into epoch 2, then a replacement
-    node joins: Ray Train restarts the worker group, which continues after epoch 1 from S3."""
-    epochs, log = 4, tmp_path / "lost.log"
-    config = train_config(tmp_path / "lost.yaml", cluster, s3_data, "lost", epochs=epochs, batch_size=4,
-                          placement_strategy="STRICT_SPREAD", eval_before=False, eval_every=epochs)
-    driver = start_driver(cluster, config, log)  # 18 steps an epoch
-    step = wait_for_step(log, 3, epochs, driver)  # the workers say they are part-way into epoch 3
-    done_at_kill = complete_epochs("lost")
+def checkpoint_at(run: str, epoch: int):
+    """The complete checkpoint of ``epoch`` in s3://BUCKET/runs/<run> (CheckpointState)."""
+    from puma.checkpoint import read_checkpoint
+    from puma.train.recovery import scan_run
+
+    found = [f for f in scan_run(f"s3://{BUCKET}/runs/{run}", set()) if f.epoch == epoch]
+    assert found, f"run {run} has no complete checkpoint of epoch {epoch}"
+    return read_checkpoint(found[0].uri)
+
+
+def test_training_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, s3_data, tmp_path):
+    """Two runs of the same seed and data order (data.deterministic), everything on S3:
+
+    - one node: both workers pinned to the head (worker_resources node_a);
+    - across nodes: STRICT_SPREAD, one worker per node, gloo between them; part-way into epoch 2 (as
+      its workers report) the second node is SIGKILLed (raylet and worker) and a replacement joins.
+
+    Epoch 1 of the two runs must be equal (history and weights): only the placement differed. The
+    cross-node run must then finish with Ray Train's restarted worker group continuing after epoch 1:
+    no epoch lost or trained twice, one resume, the replacement node in the second attempt."""
+    epochs, common = 3, {"batch_size": 4, "eval_before": False, "eval_every": 3, "checkpoints_to_keep": 3}
+    packed = train_config(tmp_path / "packed.yaml", cluster, s3_data, "packed", epochs=1,
+                          worker_resources={"node_a": 1}, **common)
+    finish(start_driver(cluster, packed, tmp_path / "packed.log"), tmp_path / "packed.log")
+
+    log = tmp_path / "spread.log"
+    spread = train_config(tmp_path / "spread.yaml", cluster, s3_data, "spread", epochs=epochs,
+                          placement_strategy="STRICT_SPREAD", **common)
+    driver = start_driver(cluster, spread, log)  # 18 steps an epoch
+    step = wait_for_step(log, 2, epochs, driver)  # the workers say they are part-way into epoch 2
+    done_at_kill = complete_epochs("spread")
     killed = kill_node(cluster.node_b)
     cluster.restart_node_b()
     finish(driver, log)
 
-    assert done_at_kill == [1, 2] and killed, f"the kill must land in epoch 3 (step {step})"
-    state = run_state("lost")
-    assert [(h["epoch"], h["attempt"]) for h in state["history"]] == [(1, 1), (2, 1), (3, 2), (4, 2)]
-    assert (state["resumes"], state["recomputed_epochs"]) == (1, 0)
-    first_attempt, second_attempt = attempts("lost")
-    assert second_attempt["after_epoch"] == 2
-    assert second_attempt["resumed_from"].startswith("checkpoint_epoch0002_attempt001")
+    packed_nodes = {w["node_id"] for w in attempts("packed")[0]["workers"]}
+    first_attempt, second_attempt = attempts("spread")
     before = {w["node_id"] for w in first_attempt["workers"]}
     after = {w["node_id"] for w in second_attempt["workers"]}
-    assert len(before) == len(after) == 2 and len(before & after) == 1, "one node replaced, one kept"
+    assert len(packed_nodes) == 1 and len(before) == len(after) == 2, (packed_nodes, before, after)
+    assert len(before & after) == 1 and packed_nodes < before, "one node replaced, the head kept"
+    one, two = checkpoint_at("packed", 1), checkpoint_at("spread", 1)
+    (ha,), hb = one.meta["run_state"]["history"], two.meta["run_state"]["history"][0]
+    assert ha["step"] == hb["step"] and ha["train/loss"] == pytest.approx(hb["train/loss"], rel=1e-4)
+    assert set(one.model) == set(two.model)
+    for key in one.model:
+        torch.testing.assert_close(two.model[key], one.model[key], rtol=1e-4, atol=1e-5, msg=key)
+
+    assert done_at_kill == [1] and killed, f"the kill must land in epoch 2 (step {step})"
+    state = run_state("spread")
+    assert [(h["epoch"], h["attempt"]) for h in state["history"]] == [(1, 1), (2, 2), (3, 2)]
+    assert (state["resumes"], state["recomputed_epochs"]) == (1, 0)
+    assert second_attempt["after_epoch"] == 1
+    assert second_attempt["resumed_from"].startswith("checkpoint_epoch0001_attempt001")
     assert "resumed from" in log.read_text()
+    assert not list(REPO.glob("artifacts/runs/spread*")), "nothing of the run may land on local disk"
+
+
+# ----------------------------------------------------------------------------- embedding across nodes
+
+
+def embedder_nodes(cluster: TwoNodes) -> set[str]:
+    """Node ids of every embedding actor the cluster has run (alive or dead), from Ray's state API."""
+    out = subprocess.run([RAY_BIN, "list", "actors", f"--address={cluster.head.address}", "--format=json",
+                          "--limit=1000", "--detail"], env=cluster.head.env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    if not out.lstrip().startswith("["):
+        return set()  # "No resource in the cluster": no actor yet
+    return {a["node_id"] for a in json.loads(out) if "Embedder" in a.get("class_name", "")}
+
+
+def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluster, s3_data, tmp_path):
+    """jobs/embed.py with one actor on each node; the second node is SIGKILLed after the first commit
+    and a replacement joins; the job then finishes (or is stopped), and a re-run leaves every item
+    exactly once in the index and its embeddings, the manifest counts matching, verify() passing."""
+    from tiny import make_checkpoint
+
+    from puma.index import read_manifest, verify
+    from puma.index.table import read_table
+
+    checkpoint = make_checkpoint(f"s3://{BUCKET}/checkpoint")
+    index = f"s3://{BUCKET}/index"
+    args = [PYTHON, "jobs/embed.py", "--catalogue", s3_data, f"index.uri={index}",
+            f"embed.checkpoint={checkpoint}", "embed.commit_rows=8", "embed.batch_size=4",
+            "embed.concurrency=2", "embed.num_cpus=1", "embed.actor_resources={embed_slot: 1}",
+            "embed.split=test", "data.decode_batch_size=4",
+            f"storage.endpoint_url={cluster.s3.endpoint}", f"storage.region={AWS_TEST_ENV['AWS_REGION']}"]
+    env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1")
+    nodes_before = embedder_nodes(cluster)
+    with open(tmp_path / "embed1.log", "w") as out:
+        first = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and first.poll() is None:
+        if storage.exists(storage.join(index, "manifest.json")) and read_manifest(index).shards:
+            break
+        time.sleep(0.1)
+    committed = read_manifest(index).total
+    kill_node(cluster.node_b)
+    cluster.restart_node_b()
+    try:
+        first.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(first.pid, 9)
+        first.wait()
+    ran_on = embedder_nodes(cluster) - nodes_before
+    assert len(ran_on) >= 2, f"the actors must run on both nodes, ran on {ran_on}"
+    assert 8 <= committed < 72, f"the node must be lost mid-run ({committed} of 72 committed)"
+
+    second = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    ids = read_table(storage.join(index, "shards"))["item_id"].to_pylist()
+    manifest = read_manifest(index)
+    assert len(ids) == len(set(ids)) == 72 == manifest.total == sum(s.count for s in manifest.shards)
+    assert verify(index).ok
+
+
+# ----------------------------------------------------------------------------- a sweep across nodes
+
+
+@pytest.mark.slow  # about 4 minutes here: with it the suite would pass 30 minutes in CI (issue 14)
+def test_a_sweep_across_nodes_killed_and_restored_continues_every_trial(cluster, s3_data, tmp_path):
+    """Two trials at once, one per node (a trial_slot each); the sweep driver is SIGKILLed once both
+    trials have a complete epoch; the same command restores the sweep (Tuner.restore) and each trial
+    continues after its newest complete epoch, on S3: no epoch lost or trained twice."""
+    sweeps = f"s3://{BUCKET}/sweeps"
+    config = train_config(tmp_path / "sweep.yaml", cluster, s3_data, "base", epochs=2, num_workers=1,
+                          worker_resources={"trial_slot": 1}, eval_before=False, max_failures=0)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["sweep"] = {"storage_path": sweeps, "name": "nodes", "num_samples": 2, "max_concurrent_trials": 2,
+                    "grace_period": 2, "val_fraction": 0.34}
+    config.write_text(yaml.safe_dump(cfg))
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {type: grid, values: [3.0e-4, 1.0e-3]}\n")
+    command = [PYTHON, "tune/sweep.py", "--config", str(config), "--space", str(space)]
+    env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1")
+    trials = f"{sweeps}/nodes/trials"
+
+    def trial_epochs() -> dict[str, list[int]]:
+        runs = [u.rstrip("/").rsplit("/", 1)[-1] for u in storage.list_dirs(trials)] \
+            if storage.exists(trials) else []
+        return {t: complete_epochs_at(f"{trials}/{t}") for t in runs}
+
+    log = tmp_path / "sweep1.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and first.poll() is None:
+        seen = trial_epochs()
+        if len(seen) == 2 and all(seen.values()):
+            break
+        time.sleep(0.2)
+    first.kill()
+    first.wait()
+    at_kill = trial_epochs()
+    assert len(at_kill) == 2 and all(e and max(e) < 2 for e in at_kill.values()), \
+        f"both trials must be part-way when the driver dies: {at_kill}\n{log.read_text()[-3000:]}"
+
+    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "resuming" in second.stdout
+    nodes = set()
+    for trial, epochs in at_kill.items():
+        run = f"{trials}/{trial}"
+        assert complete_epochs_at(run)[-1] == 2, trial
+        records = [json.loads(storage.read_text(u)) for u in sorted(storage.list_files(f"{run}/attempts"))]
+        assert records[-1]["after_epoch"] == max(epochs), (trial, records[-1], epochs)
+        nodes |= {w["node_id"] for w in records[0]["workers"]}
+        from puma.checkpoint import read_checkpoint
+        from puma.train.recovery import newest_complete
+
+        history = read_checkpoint(newest_complete(run).uri).meta["run_state"]["history"]
+        assert [h["epoch"] for h in history] == [1, 2] and \
+            read_checkpoint(newest_complete(run).uri).meta["run_state"]["recomputed_epochs"] == 0
+    assert len(nodes) == 2, f"the two trials must have run on different nodes: {nodes}"
+
+
+# ----------------------------------------------------------------------------- object storage down mid-write
+
+
+def outage_during(s3: OwnS3, when, down_s: float):
+    """Wrap puma.storage.write_bytes: the first call for which ``when(uri)`` holds stops the S3 server
+    first (a real stop) and starts it again ``down_s`` seconds later, in the background."""
+    import threading
+
+    real, state = storage.write_bytes, {"stopped": None, "thread": None}
+
+    def write_bytes(uri: str, data: bytes) -> None:
+        if state["stopped"] is None and when(uri):
+            s3.stop()
+            state["stopped"] = uri
+            state["thread"] = threading.Timer(down_s, s3.start)
+            state["thread"].start()
+        real(uri, data)
+
+    return write_bytes, state
+
+
+@pytest.mark.parametrize("down_s", [2.0, 12.0], ids=["back-within-retries", "down-beyond-retries"])
+def test_s3_down_mid_checkpoint_write_leaves_no_listed_partial_checkpoint(own_s3, monkeypatch, down_s):
+    """The server stops before the second file of a checkpoint: back within the retry budget, the write
+    completes; down longer, the save fails in one line and the folder is never listed as complete (a
+    re-run of the save then completes)."""
+    from tiny import tiny_config
+
+    from puma.checkpoint import CheckpointState, read_checkpoint, save_checkpoint
+    from puma.storage import StorageError
+    from puma.train.recovery import scan_run
+
+    storage.configure(own_s3.storage_config)
+    run = f"s3://{BUCKET}/outage-{int(down_s)}"
+    uri = storage.join(run, "checkpoint_epoch0001_attempt001")
+    state = CheckpointState(config=tiny_config(), model={"w": torch.ones(3)},
+                            meta={"epoch": 1, "run_state": {}})
+    writes = []
+    fake, outage = outage_during(own_s3, lambda u: writes.append(u) or len(writes) == 2, down_s)
+    monkeypatch.setattr(storage, "write_bytes", fake)
+    try:
+        if down_s < 5:  # the retries (6 attempts, backoff from 0.25 s) span about 5.5 s
+            save_checkpoint(uri, state)
+        else:
+            with pytest.raises(StorageError, match="failed: cannot reach endpoint"):
+                save_checkpoint(uri, state)
+    finally:
+        outage["thread"].join()  # the server is back
+    monkeypatch.undo()
+    assert outage["stopped"] is not None, "the server must have been stopped during the write"
+    if down_s >= 5:
+        assert [f.epoch for f in scan_run(run, set())] == [None], "a partial folder is never complete"
+        save_checkpoint(uri, state)  # the re-run
+    assert read_checkpoint(uri).model["w"].tolist() == [1.0, 1.0, 1.0]
+    assert [f.epoch for f in scan_run(run, set())] == [1]
+
+
+def test_s3_down_mid_index_shard_write_then_rerun_gives_every_item_once(own_s3, monkeypatch):
+    """The server stops while a shard's files are written, for longer than the retry budget: the commit
+    fails in one line; the shard is an orphan, not in the manifest; the re-run adds every item once."""
+    from test_index import catalogue
+
+    from puma.config import IndexConfig
+    from puma.index import add_items, create_index, read_manifest, verify
+    from puma.index.table import read_table
+    from puma.storage import StorageError
+
+    storage.configure(own_s3.storage_config)
+    index = f"s3://{BUCKET}/outage-index"
+    table, x = catalogue(60)
+    create_index(index, IndexConfig(index_type="flat", shard_size=20), x)
+    add_items(index, table.slice(0, 20))
+    fake, outage = outage_during(own_s3, lambda u: "shard-00001" in u, down_s=12.0)
+    monkeypatch.setattr(storage, "write_bytes", fake)
+    try:
+        with pytest.raises(StorageError, match="failed: cannot reach endpoint"):
+            add_items(index, table.slice(20, 40))
+    finally:
+        outage["thread"].join()
+    monkeypatch.undo()
+    assert outage["stopped"] is not None and read_manifest(index).total == 20, "nothing failed is listed"
+    report = add_items(index, table)  # the re-run: the whole catalogue again
+    ids = read_table(storage.join(index, "shards"))["item_id"].to_pylist()
+    assert report.added == 40 and sorted(ids) == sorted(table["item_id"].to_pylist())
+    assert read_manifest(index).total == 60 and verify(index).ok and not verify(index).orphans
