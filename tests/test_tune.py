@@ -9,6 +9,7 @@ the best config trains with jobs/train.py.
 
 from __future__ import annotations
 
+import copy
 import csv
 import importlib.util
 import json
@@ -356,20 +357,20 @@ def test_resume_with_other_settings_is_refused(resumed_sweep, setup):
         plan_sweep(load_config(setup["config"], ["sweep.resume=false", f"sweep.space_file={setup['space']}"]))
 
 
-def test_a_config_key_added_since_the_sweep_started_keeps_it_resumable_at_its_default(resumed_sweep, setup):
+def test_a_config_key_added_since_the_sweep_started_keeps_it_resumable_at_its_default():
     """A sweep started by an older version lacks keys added since: at their defaults they change nothing."""
-    plan_file = setup["sweep_dir"] / "sweep.yaml"
-    saved = plan_file.read_text()
-    try:
-        started = yaml.safe_load(saved)
-        del started["config"]["train"]["placement_strategy"], started["config"]["data"]["deterministic"]
-        plan_file.write_text(yaml.safe_dump(started))
-        plan_sweep(load_config(setup["config"], [f"sweep.space_file={setup['space']}"]))  # resumable
-        with pytest.raises(SweepError, match=r"'config.train.placement_strategy: None -> 'SPREAD''"):
-            plan_sweep(load_config(setup["config"], ["train.placement_strategy=SPREAD",
-                                                     f"sweep.space_file={setup['space']}"]))
-    finally:
-        plan_file.write_text(saved)
+    from puma.config import Config, to_dict
+    from puma.sweep.run import _diff
+
+    defaults = {"config": to_dict(Config())}
+    now = {"config": to_dict(Config()), "space": {"optim.lr": {"type": "grid", "values": [1e-4]}}}
+    started = copy.deepcopy(now)
+    del started["config"]["train"]["placement_strategy"], started["config"]["data"]["deterministic"]
+    assert _diff(started, now, defaults=defaults) == []
+    now["config"]["train"]["placement_strategy"] = "SPREAD"
+    assert _diff(started, now, defaults=defaults) == ["config.train.placement_strategy: None -> 'SPREAD'"]
+    now["config"]["train"]["placement_strategy"], now["config"]["train"]["epochs"] = "PACK", 3
+    assert _diff(started, now, defaults=defaults) == ["config.train.epochs: 100 -> 3"]
 
 
 # ----------------------------------------------------------------------------- placement groups
