@@ -331,6 +331,8 @@ class DataConfig:
     shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | local (block order) | none
     shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
     decode_batch_size: int = 32  # rows per Ray Data decode task batch
+    shots_per_class: int = 0  # few-shot training: k training images per class (0: all), seeded, stable
+    shots_seed: int = 0  # which k images (puma/data/fewshot.py): the same seed picks the same images
     deterministic: bool = False  # each worker gets the same rows in the same order on every run (Ray
     # Data preserve_order): multi-worker runs repeat exactly, wherever the workers are placed; a little slower
 
@@ -341,6 +343,8 @@ class DataConfig:
         _check(self.min_image_size >= 1, f"data.min_image_size={self.min_image_size!r} must be >= 1")
         _check_choice("data.shuffle", self.shuffle, ("global", "local", "none"))
         _check(self.decode_batch_size >= 1, "data.decode_batch_size must be >= 1")
+        _check(self.shots_per_class >= 0, f"data.shots_per_class={self.shots_per_class!r} must be >= 0 "
+                                         "(0: every training image)")
         _check(self.max_images_per_class is None or self.max_images_per_class >= 2,
                "data.max_images_per_class must be >= 2 (retrieval needs pairs) or null")
         _check(self.fashion_mnist_per_class >= 2, "data.fashion_mnist_per_class must be >= 2")

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from puma.config import load_config
+from puma.config import ConfigError, load_config
 from puma.data import pipeline, schema
 from puma.data.images import (
     ImageRejected,
@@ -211,6 +211,34 @@ def test_validation_classes_are_held_out_of_training(ray_cluster, prepared):
     assert set(val["role"]) == {"query"} and len(val["item_id"]) == 4 + 3
     assert not {(rows[i]["dataset"], rows[i]["label"]) for i in train["item_id"]} & val_classes
     assert len(train["item_id"]) + len(val["item_id"]) == sum(r["split"] == "train" for r in rows.values())
+
+
+def test_few_shot_keeps_k_seeded_images_per_class_the_same_on_every_run(ray_cluster, prepared):
+    """data.shots_per_class: k training images per class (all of a smaller class), chosen by the seed
+    alone; the training stream, the training images in the eval view and the counts agree."""
+    from puma.data.fewshot import select_shots
+
+    root, manifest, rows = prepared
+    label_map = pipeline.global_label_map(manifest)
+    per_class: dict = {}
+    for i, r in rows.items():
+        if r["split"] == "train":
+            per_class.setdefault((r["dataset"], r["label"]), set()).add(i)
+    for k in (1, 2, 3):
+        cfg = _cfg(root, f"data.shots_per_class={k}")
+        got = _collect(pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD))
+        again = _collect(pipeline.eval_dataset(cfg, manifest, "train", MEAN, STD))
+        assert sorted(got["item_id"]) == sorted(again["item_id"])  # one selection, every stream
+        chosen = set(got["item_id"])
+        for images in per_class.values():  # cub classes hold 2 training images, shop classes 1 or 2
+            assert len(chosen & images) == min(k, len(images))
+        assert pipeline.count_rows(cfg, manifest, "train") == len(chosen)
+        assert chosen == select_shots(manifest, ["cub", "shop"], k, 0)  # stable: the seed alone decides
+    one = select_shots(manifest, ["cub", "shop"], 1, 0)
+    assert one <= select_shots(manifest, ["cub", "shop"], 2, 0)  # growing k keeps the smaller draw
+    assert one != select_shots(manifest, ["cub", "shop"], 1, 7)  # another seed, other images
+    with pytest.raises(ConfigError, match="data.shots_per_class=-1 must be >= 0"):
+        _cfg(root, "data.shots_per_class=-1")
 
 
 def test_dataset_selection(ray_cluster, prepared):

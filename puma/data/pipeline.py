@@ -2,6 +2,7 @@
 
     read_parquet(shards of the split)          one prepared root, local or s3:// (puma.storage)
       -> select rows          pyarrow, vectorised: datasets of data.datasets, the split's label ranges
+                              (training: the data.shots_per_class images per class, puma/data/fewshot.py)
       -> shuffle              train only, per epoch: data.shuffle = global | local | none
       -> decode + view        PIL, num_cpus = data.num_decode_cpus per task (fractional, so Ray
                               Train workers never starve the decode tasks); rejects leave the stream
@@ -40,6 +41,7 @@ from ray.data import RandomSeedConfig
 from puma import storage
 from puma.config import run_uri
 from puma.data import schema
+from puma.data.fewshot import select_shots
 from puma.data.images import ImageRejected, ViewSpec, item_rng, make_view, view_spec
 from puma.data.manifest import DataNotPreparedError, Manifest
 from puma.data.rejects import Reject, dumps, read_rejects, reject_counts
@@ -111,8 +113,18 @@ def read_rows(cfg, manifest: Manifest, split: str) -> ray.data.Dataset:
     _check_shard_schema(paths[0])
     ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri)).select_columns(READ_COLUMNS)
     role = schema.QUERY if split == schema.VAL else None
-    return ds.map_batches(functools.partial(_select_rows, ranges=ranges, role=role), batch_format="pyarrow",
-                          batch_size=None, num_cpus=cfg.data.num_decode_cpus)
+    shots = _shots(cfg, manifest, ranges) if split == schema.TRAIN else None
+    select = functools.partial(_select_rows, ranges=ranges, role=role,
+                               shots=ray.put(shots) if shots is not None else None)
+    return ds.map_batches(select, batch_format="pyarrow", batch_size=None, num_cpus=cfg.data.num_decode_cpus)
+
+
+def _shots(cfg, manifest: Manifest, ranges: Mapping[str, tuple[int, int]]) -> pa.Array | None:
+    """The few-shot item ids of the training split (data.shots_per_class > 0), else None (every row)."""
+    if cfg.data.shots_per_class <= 0:
+        return None
+    ids = select_shots(manifest, sorted(ranges), cfg.data.shots_per_class, cfg.data.shots_seed)
+    return pa.array(sorted(ids), pa.string())
 
 
 def count_rows(cfg, manifest: Manifest, split: str) -> int:
@@ -123,15 +135,17 @@ def count_rows(cfg, manifest: Manifest, split: str) -> int:
     """
     names = manifest.select(cfg.data.datasets)
     stored = schema.TEST if split == schema.TEST else schema.TRAIN
-    if split == schema.TEST or (split == schema.TRAIN and not cfg.data.val_fraction):
+    few = split == schema.TRAIN and cfg.data.shots_per_class > 0
+    if split == schema.TEST or (split == schema.TRAIN and not cfg.data.val_fraction and not few):
         counts = [manifest.datasets[n].get("counts", {}).get(stored, {}) for n in names]
         return sum(int(c.get("images", 0)) for c in counts)
     ranges = {n: _bounds(label_range(manifest, n, split, cfg.data.val_fraction)) for n in names}
+    shots = _shots(cfg, manifest, ranges) if few else None
     total = 0
     for uri in manifest.shard_uris(stored):
         fs, path = storage.resolve(uri)
-        total += len(_select_rows(pq.read_table(path, columns=[schema.DATASET, schema.LABEL], filesystem=fs),
-                                  ranges, None))
+        columns = [schema.ITEM_ID, schema.DATASET, schema.LABEL]
+        total += len(_select_rows(pq.read_table(path, columns=columns, filesystem=fs), ranges, None, shots))
     return total
 
 
@@ -165,14 +179,19 @@ def _bounds(labels: range) -> tuple[int, int]:
     return labels.start, labels.stop
 
 
-def _select_rows(table: pa.Table, ranges: Mapping[str, tuple[int, int]], role: str | None) -> pa.Table:
-    """Rows whose (dataset, label) falls in the split's label range of a selected dataset."""
+def _select_rows(table: pa.Table, ranges: Mapping[str, tuple[int, int]], role: str | None,
+                 shots=None) -> pa.Table:
+    """Rows whose (dataset, label) falls in the split's label range of a selected dataset (and, with
+    ``shots``, the few-shot item ids: an array, or its Ray object ref)."""
     mask = pa.array(np.zeros(len(table), dtype=bool))
     for name, (start, stop) in ranges.items():
         labels = table[schema.LABEL]
         in_range = pc.and_(pc.greater_equal(labels, start), pc.less(labels, stop))
         hit = pc.and_(pc.equal(table[schema.DATASET], name), in_range)
         mask = pc.or_(mask, hit)
+    if shots is not None:
+        shots = ray.get(shots) if isinstance(shots, ray.ObjectRef) else shots
+        mask = pc.and_(mask, pc.is_in(table[schema.ITEM_ID], value_set=shots))
     table = table.filter(mask)
     if role is not None:
         column = table.schema.get_field_index(schema.ROLE)
