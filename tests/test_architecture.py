@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("puma.index",),  # sharded FAISS: build, verify, search
     ("puma.eval",),  # metrics; evaluation through an index
     ("puma.train", "puma.inference"),  # Ray Train runner; batch embedding and search
-    ("puma.sweep", "puma.serve"),  # Ray Tune over the training runner; the online search service
+    ("puma.sweep", "puma.serve", "puma.report"),  # Ray Tune; the online search service; a run's report
 )
 # import_module with a computed name: where, and why it cannot reach outside its own package.
 DYNAMIC_IMPORTS = {"puma.inference": "PEP 562 lazy exports of its own submodules (_EXPORTS)"}
