@@ -305,7 +305,10 @@ def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluste
             "embed.concurrency=2", "embed.num_cpus=1", "embed.actor_resources={embed_slot: 1}",
             "embed.split=test", "data.decode_batch_size=4",
             f"storage.endpoint_url={cluster.s3.endpoint}", f"storage.region={AWS_TEST_ENV['AWS_REGION']}"]
-    env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1")
+    # Ray Data starts a pool's actors asynchronously and feeds whichever is up: on a slow machine the
+    # head's actor could commit everything before node b's has imported torch. Wait for both first.
+    env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1",
+               RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S="120")
     nodes_before = embedder_nodes(cluster)
     with open(tmp_path / "embed1.log", "w") as out:
         first = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
