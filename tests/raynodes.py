@@ -24,7 +24,7 @@ from pathlib import Path
 
 PYTHON = sys.executable
 RAY_BIN = str(Path(PYTHON).parent / "ray")
-HEAD_ATTEMPTS = 3
+HEAD_ATTEMPTS = 5  # a raylet can abort in its fixed 15 s wait for the agent under load (ray#65983)
 
 
 def free_port() -> int:
