@@ -279,14 +279,20 @@ def test_training_across_nodes_equals_one_node_and_survives_a_lost_node(cluster,
 # ----------------------------------------------------------------------------- embedding across nodes
 
 
-def embedder_nodes(cluster: TwoNodes) -> set[str]:
-    """Node ids of every embedding actor the cluster has run (alive or dead), from Ray's state API."""
-    out = subprocess.run([RAY_BIN, "list", "actors", f"--address={cluster.head.address}", "--format=json",
-                          "--limit=1000", "--detail"], env=cluster.head.env, capture_output=True, text=True,
+def _state(cluster: TwoNodes, kind: str) -> list[dict]:
+    """`ray list <kind>` of the cluster (alive and dead), as records."""
+    out = subprocess.run([RAY_BIN, "list", kind, f"--address={cluster.head.address}", "--format=json",
+                          "--limit=10000", "--detail"], env=cluster.head.env, capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    if not out.lstrip().startswith("["):
-        return set()  # "No resource in the cluster": no actor yet
-    return {a["node_id"] for a in json.loads(out) if "Embedder" in a.get("class_name", "")}
+    return json.loads(out) if out.lstrip().startswith("[") else []  # else "No resource in the cluster"
+
+
+def embedder_nodes(cluster: TwoNodes) -> set[str]:
+    """Node ids where the embedding actors ran, from Ray's state API: each actor's node and each of its
+    batches' (an actor restarted after its node died shows only its new, maybe still pending, place)."""
+    records = [*_state(cluster, "actors"), *_state(cluster, "tasks")]
+    return {r["node_id"] for r in records
+            if "Embedder" in (r.get("class_name") or r.get("name") or "") and r.get("node_id")}
 
 
 def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluster, s3_data, tmp_path):
