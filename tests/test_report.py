@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from browser import headless_chromium
 from conftest import write_cub_tree
 from PIL import Image
 from tiny import make_checkpoint
@@ -100,21 +101,9 @@ def prepared(tmp_path_factory) -> str:
 
 def open_in_browser(page: Path, shot: Path, profile: Path) -> dict:
     """Open the page in headless chromium: screenshot, every <img>'s natural width, the table's cells."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not browser or not driver_path:
-        pytest.fail("chromium and chromium-driver are not installed: run scripts/setup.sh (apt-get install "
-                    "chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run",
-                f"--user-data-dir={profile}", "--window-size=1280,900"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver = headless_chromium(profile)
     try:
         driver.get(page.as_uri())
         WebDriverWait(driver, 30).until(lambda d: d.execute_script(

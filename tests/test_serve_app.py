@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import headless_chromium
 from conftest import encode_image, write_cub_tree
 from PIL import Image
 from tiny import make_checkpoint
@@ -319,22 +320,10 @@ def test_the_page_and_thumbnails_are_served(service):
 
 
 def test_the_page_in_a_real_browser_uploads_a_photo_and_shows_the_grid(service, tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not browser or not driver_path:
-        pytest.fail("chromium and chromium-driver are not installed: run scripts/setup.sh (apt-get install "
-                    "chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run",
-                f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,900"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver = headless_chromium(tmp_path / "chromium-profile")
     try:
         wait = WebDriverWait(driver, 60)
         driver.get(service["url"])
