@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or cfg.data.uri
     specs = job_specs(cfg, preset, args.source, args.name, args.class_depth)
     storage.preflight(cfg.storage, inputs=[s.uri for s in specs], outputs=[out])
-    report = prepare(specs, out, cfg.data.shard_rows, preset=preset)
+    report = prepare(specs, out, cfg.data.shard_rows, preset=preset, max_side=cfg.data.prepare_max_side)
     return print_report(report, verify=args.verify)
 
 

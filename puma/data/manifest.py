@@ -55,6 +55,20 @@ class Manifest:
         return int(self.datasets[name]["num_train_classes"])
 
     @property
+    def max_side(self) -> int:
+        """The longer side, in px, that prepare shrank larger images to (0: stored as encoded)."""
+        return int(self.data.get("spec", {}).get("prepare_max_side", 0))
+
+    def check_view_size(self, img_size: int) -> None:
+        """ConfigError if the shards were shrunk below what the eval view of ``img_size`` px resizes to."""
+        need = int(img_size * 256 / 224)
+        if self.max_side and self.max_side < need:
+            raise ConfigError(f"{self.uri} holds images shrunk to {self.max_side} px "
+                              f"(data.prepare_max_side), "
+                              f"less than the {need} px that model.backbone.img_size={img_size} needs; "
+                              f"re-prepare it with data.prepare_max_side=0 or >= {need}")
+
+    @property
     def rejects_uri(self) -> str:
         return storage.join(self.uri, self.data["rejects"]["path"])
 

@@ -8,6 +8,10 @@ Layout of a prepared root::
     rejects/prepare.jsonl                     images listed by a release but missing, empty, or
                                               not decodable (corrupt, truncated, too large)
 
+With ``max_side`` (``data.prepare_max_side``) images whose longer side exceeds it are stored shrunk
+to it (``images.shrink_encoded``), so decoding reads a small image instead of a full-size photo; the
+manifest's ``spec`` records the value and ``resize`` how many images it shrank and the bytes saved.
+
 Rows are ordered by a hash of their item id, so every shard mixes datasets (good for local
 shuffles) and the order never depends on listing order. A shard holds at most ``data.shard_rows``
 rows and about 256 MiB of images (row groups of 256 rows; images stored uncompressed, as encoded).
@@ -34,7 +38,7 @@ import pyarrow.parquet as pq
 import puma
 from puma import console, storage
 from puma.data import schema
-from puma.data.images import ImageRejected, verify_image
+from puma.data.images import ImageRejected, shrink_encoded, verify_image
 from puma.data.listing import DatasetListing, LayoutError, SourceItem
 from puma.data.manifest import DataNotPreparedError, Manifest, load_manifest, manifest_uri, verify_shards
 from puma.data.rejects import Reject, write_rejects
@@ -56,37 +60,57 @@ class PrepareReport:
     manifest_changed: bool = True
 
 
-def spec_dict(preset: str, specs: Sequence[SourceSpec], shard_rows: int) -> dict:
+@dataclass
+class ResizeCount:
+    """What ``max_side`` did: images shrunk and their bytes before and after."""
+
+    images: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def add(self, before: int, after: int) -> None:
+        self.images, self.bytes_before, self.bytes_after = \
+            self.images + 1, self.bytes_before + before, self.bytes_after + after
+
+
+def spec_dict(preset: str, specs: Sequence[SourceSpec], shard_rows: int, max_side: int = 0) -> dict:
     """What produced a prepared root (stored in the manifest; ensure_prepared compares it)."""
-    return {"preset": preset, "sources": [s.to_dict() for s in specs], "shard_rows": shard_rows}
+    spec = {"preset": preset, "sources": [s.to_dict() for s in specs], "shard_rows": shard_rows}
+    return {**spec, "prepare_max_side": max_side} if max_side else spec  # roots made before it still match
 
 
 def prepare(specs: Sequence[SourceSpec], out_uri: str, shard_rows: int = 2000, preset: str = "",
             read_threads: int = 16, log: Callable[[str], None] = print,
-            verify_images: bool = True) -> PrepareReport:
+            verify_images: bool = True, max_side: int = 0) -> PrepareReport:
     """Convert every source, write shards, rejects and manifest under ``out_uri``.
 
     ``verify_images``: decode every image (``verify_image``) and reject what fails; False only for
-    measuring what the check costs (bench/bench_storage.py).
+    measuring what the check costs (bench/bench_storage.py). ``max_side`` > 0: store images whose
+    longer side exceeds it shrunk to it (0: as encoded).
     """
     out_uri = storage.absolute(out_uri)
     listings = _convert_all(specs, log)
     old = _old_shards(out_uri)
     report = PrepareReport(manifest=Manifest(out_uri, {}))
-    shards, rejects, kept = [], [], []
+    shards, rejects, kept, resized = [], [], [], ResizeCount()
     total = sum(len(lst.items) for lst in listings)
     with console.progress("preparing", total, "img", tag="[puma.data]") as bar:
         for split in schema.STORED_SPLITS:
             items = sorted((i for lst in listings for i in lst.items if i.split == split), key=_order_key)
             for start in range(0, len(items), shard_rows):
-                rows, missing = _read_chunk(items[start:start + shard_rows], read_threads, verify_images, bar)
+                rows, missing = _read_chunk(items[start:start + shard_rows], read_threads, verify_images, bar,
+                                            max_side, resized)
                 rejects += missing
                 kept += [(item.dataset, item.label, item.split, item.role) for item, _ in rows]
                 for part in _split_by_bytes(rows, SHARD_MAX_BYTES):
                     index = sum(1 for s in shards if s["split"] == split)
                     shards.append(_write_shard(out_uri, split, index, part, old, report))
             log(f"[puma.data] {split}: {sum(s['rows'] for s in shards if s['split'] == split):,} rows")
-    data = _manifest_data(spec_dict(preset, specs, shard_rows), listings, shards, kept, rejects)
+    data = _manifest_data(spec_dict(preset, specs, shard_rows, max_side), listings, shards, kept, rejects)
+    if max_side:
+        data["resize"] = {"max_side": max_side, **dataclasses.asdict(resized)}
+        log(f"[puma.data] shrank {resized.images:,} image(s) to a longer side of {max_side} px: "
+            f"{resized.bytes_before / 2**20:,.1f} -> {resized.bytes_after / 2**20:,.1f} MiB")
     write_rejects(storage.join(out_uri, schema.PREPARE_REJECTS_NAME), rejects)
     report.manifest, report.manifest_changed = _commit_manifest(out_uri, data)
     report.deleted = _delete_stale(out_uri, shards)
@@ -111,22 +135,25 @@ def _order_key(item: SourceItem) -> bytes:
 
 
 def _read_chunk(items: Sequence[SourceItem], threads: int, verify: bool = True,
-                bar: console.Progress | None = None
+                bar: console.Progress | None = None, max_side: int = 0, resized: ResizeCount | None = None
                 ) -> tuple[list[tuple[SourceItem, bytes]], list[Reject]]:
-    """The bytes of each item (threads for S3); missing, empty or undecodable files become rejects."""
+    """The bytes of each item (threads for S3; shrunk to ``max_side`` if > 0, counted in ``resized``);
+    missing, empty or undecodable files become rejects."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         results = []
-        for result in pool.map(functools.partial(_read_item, verify=verify), items):
+        for result in pool.map(functools.partial(_read_item, verify=verify, max_side=max_side), items):
             results.append(result)
             if bar is not None:
                 bar.update()
     rows, rejects = [], []
-    for item, (data, reason, detail) in zip(items, results, strict=True):
+    for item, (data, reason, detail, original_bytes) in zip(items, results, strict=True):
         if reason:
             rejects.append(Reject(item.item_id, item.dataset, reason, "prepare", item.source_path,
                                   item.split, detail))
-        else:
-            rows.append((item, data))
+            continue
+        rows.append((item, data))
+        if original_bytes and resized is not None:
+            resized.add(original_bytes, len(data))
     return rows, rejects
 
 
@@ -142,23 +169,25 @@ def _split_by_bytes(rows: list, max_bytes: int) -> list[list]:
     return groups
 
 
-def _read_item(item: SourceItem, verify: bool = True) -> tuple[bytes, str, str]:
-    """(bytes, '', '') for an image that decodes, else (b'', reason, detail)."""
+def _read_item(item: SourceItem, verify: bool = True, max_side: int = 0) -> tuple[bytes, str, str, int]:
+    """(bytes, '', '', original size if shrunk else 0) for an image that decodes, else
+    (b'', reason, detail, 0)."""
     if item.data is not None:
         data = item.data
     else:
         try:
             data = storage.read_bytes(item.source_path)
         except FileNotFoundError:
-            return b"", "missing_file", ""
+            return b"", "missing_file", "", 0
     if not data:
-        return b"", "empty_file", "0 bytes"
+        return b"", "empty_file", "0 bytes", 0
     try:
         if verify:
             verify_image(data)
+        small = shrink_encoded(data, max_side) if max_side else None
     except ImageRejected as exc:
-        return b"", exc.reason, exc.detail
-    return data, "", ""
+        return b"", exc.reason, exc.detail, 0
+    return (small, "", "", len(data)) if small is not None else (data, "", "", 0)
 
 
 def encode_shard(rows: Sequence[tuple[SourceItem, bytes]]) -> bytes:
@@ -262,13 +291,15 @@ def ensure_prepared(cfg) -> Manifest:
         manifest = load_manifest(uri)
         spec = manifest.data.get("spec", {})
         if specs is None or spec.get("preset") != cfg.data.preset or \
-                spec == spec_dict(cfg.data.preset, specs, cfg.data.shard_rows):
+                spec == spec_dict(cfg.data.preset, specs, cfg.data.shard_rows, cfg.data.prepare_max_side):
+            manifest.check_view_size(cfg.model.backbone.img_size)
             return manifest
     elif specs is None:
         raise DataNotPreparedError(f"no prepared data at {uri} and data.preset={cfg.data.preset!r} names no "
                                    f"source; run python jobs/prepare_data.py --preset PRESET --source ROOT "
                                    f"--out {uri}")
-    return prepare(specs, uri, cfg.data.shard_rows, preset=cfg.data.preset).manifest
+    return prepare(specs, uri, cfg.data.shard_rows, preset=cfg.data.preset,
+                   max_side=cfg.data.prepare_max_side).manifest
 
 
 def job_specs(cfg, preset: str, sources: Sequence[str], name: str = "",
