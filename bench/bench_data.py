@@ -1,19 +1,32 @@
-"""Data pipeline throughput (rows/s), measured side by side in one run:
+"""Data pipeline throughput per CPU core, Ray Data beside a PyTorch DataLoader, measured in one run.
 
-  1. Ray Data pipeline reading prepared Parquet from local disk,
-  2. the same pipeline reading it from a real S3 server (SeaweedFS, started here unless
-     --s3-endpoint is given),
-  3. a plain PyTorch DataLoader over the same image files on local disk, with the same decode and
-     views (puma.data.images), as the baseline.
+For each photo set (``cub``: the CUB sample as it is, 227-500 px; ``large``: the same photos resized up to
+a longer side of 800-1,200 px, as SOP, In-Shop and NABirds photos are) and each view (eval: decode,
+resize, center crop; train: per-epoch shuffle, RandomResizedCrop, flip), every pass consumes every row
+in batches of --batch-size:
 
-Each is run for the eval view (decode, resize, center crop) and the train view (per-epoch shuffle,
-RandomResizedCrop, flip); every pass consumes every row in batches. Usage:
-  python bench/bench_data.py [--images 2000] [--img-size 224] [--epochs 2] [--workers N] [key=value ...]
+  ray-local      the Ray Data pipeline (puma.data.pipeline) over Parquet shards on local disk
+  ray-s3         the same over a real S3 server (SeaweedFS, started here unless --s3-endpoint is given)
+  torch-local    a DataLoader over the same image files with the same decode and views (puma.data.images),
+                 --workers processes (default: every core, as Ray Data gets)
+and, on the large photos,
+  ray-local-full     ray-local with data.jpeg_draft=false (every JPEG decoded at full size)
+  ray-local-shrunk   ray-local over shards prepared with data.prepare_max_side (--max-side)
+  torch-local-full   torch-local without draft decoding
+
+Per core: the machine's busy CPU time during a pass is read from /proc/stat (every process: Ray's
+workers, raylet and object store, the DataLoader's workers, the driver), so rows per busy core-second
+is what each pipeline costs, whatever its parallelism; rows/s is the wall-clock rate. The best of
+--epochs passes is reported. With --train-record (bench/results/train_gpu.json by default), the table
+also gives how many cores at that rate feed one GPU's training step.
+
+  python bench/bench_data.py [--images 1000] [--img-size 224] [--epochs 2] [--sets cub large] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -22,11 +35,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.record import RESULTS, record  # noqa: E402
 from puma import storage  # noqa: E402
 from puma.config import StorageConfig, load_config  # noqa: E402
 from puma.data.images import ViewSpec, make_view  # noqa: E402
@@ -40,12 +57,17 @@ CUB = REPO.parent / "shared" / "data" / "cub200-subset" / "CUB_200_2011"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=str(CUB), help="a CUB_200_2011-layout release")
-    parser.add_argument("--images", type=int, default=2000, help="images to use (first of each class)")
+    parser.add_argument("--images", type=int, default=1000, help="images per set (the first of each class)")
+    parser.add_argument("--sets", nargs="+", default=["cub", "large"], choices=["cub", "large"])
     parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--max-side", type=int, default=512, help="data.prepare_max_side of ray-local-shrunk")
     parser.add_argument("--epochs", type=int, default=2, help="passes per setting (the best is reported)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="DataLoader workers")
     parser.add_argument("--s3-endpoint", default="", help="S3 endpoint to use (default: start SeaweedFS)")
+    parser.add_argument("--train-record", default=str(RESULTS / "train_gpu.json"),
+                        help="bench_train.py's record: images/s of one GPU, for cores per GPU")
+    parser.add_argument("--record", default="data", help="bench/results/<name>.{json,md}; '' to skip")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides for the Ray pipeline, e.g. data.num_decode_cpus=1")
     return parser.parse_args(argv)
@@ -95,18 +117,44 @@ def start_seaweedfs(data_dir: Path) -> tuple[subprocess.Popen, str]:
 # ----------------------------------------------------------------------------- measurements
 
 
-def time_passes(make_batches, epochs: int) -> tuple[float, float, int]:
-    """(first-pass rows/s, best rows/s, rows) over ``epochs`` full passes."""
-    rates, rows = [], 0
+def busy_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far (user, nice, system, irq, softirq, steal; /proc/stat)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Pass:
+    rows: int
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds
+
+    @property
+    def rows_per_core_s(self) -> float:
+        return self.rows / max(self.cpu_seconds, 1e-9)
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_seconds / self.seconds
+
+
+def time_passes(make_batches, epochs: int) -> Pass:
+    """The pass with the most rows per busy core-second among ``epochs`` full passes."""
+    passes = []
     for _ in range(epochs):
-        start, rows = time.perf_counter(), 0
+        rows, cpu0, start = 0, busy_cpu_seconds(), time.perf_counter()
         for batch in make_batches():
             rows += len(batch["label"])
-        rates.append(rows / (time.perf_counter() - start))
-    return rates[0], max(rates), rows
+        passes.append(Pass(rows, time.perf_counter() - start, busy_cpu_seconds() - cpu0))
+    return max(passes, key=lambda p: p.rows_per_core_s)
 
 
-def ray_setting(cfg, manifest, train: bool, epochs: int):
+def ray_setting(cfg, manifest, train: bool, epochs: int) -> Pass:
     from puma.data import pipeline
 
     if train:  # the training split, shuffled and augmented
@@ -127,28 +175,52 @@ class FileDataset:
         return len(self.items)
 
     def __getitem__(self, index: int):
-        import numpy as np
-
         path, label = self.items[index]
         rng = np.random.default_rng() if self.view.train else None
         with open(path, "rb") as f:
             return {"image": make_view(f.read(), self.view, rng), "label": label}
 
 
-def torch_setting(items, img_size: int, train: bool, args) -> tuple[float, float, int]:
+def torch_setting(items, img_size: int, train: bool, args, draft: bool = True) -> Pass:
     from torch.utils.data import DataLoader
 
-    dataset = FileDataset(items, ViewSpec(img_size, MEAN, STD, train=train))
+    dataset = FileDataset(items, ViewSpec(img_size, MEAN, STD, train=train, draft=draft))
     loader = DataLoader(dataset, batch_size=args.batch_size,
                         shuffle=train, num_workers=args.workers, persistent_workers=args.workers > 0)
     return time_passes(lambda: iter(loader), args.epochs)
+
+
+# ----------------------------------------------------------------------------- photo sets
+
+
+def large_photos(spec: SourceSpec, out: Path, seed: int = 0) -> SourceSpec:
+    """The same CUB layout with every photo resized up to a longer side of 800-1,200 px (JPEG q90)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shutil.copytree(spec.uri, out, ignore=shutil.ignore_patterns("images"))
+    for item in convert(spec).items:
+        img = Image.open(item.source_path).convert("RGB")
+        factor = int(rng.integers(800, 1201)) / max(img.size)
+        path = out / "images" / Path(item.source_path).relative_to(Path(spec.uri) / "images")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        img.resize((round(img.width * factor), round(img.height * factor)), Image.Resampling.BICUBIC) \
+            .save(path, format="JPEG", quality=90)
+    return SourceSpec(spec.kind, spec.name, str(out), max_per_class=spec.max_per_class)
+
+
+def mean_pixels(items) -> float:
+    from PIL import Image
+
+    sizes = [Image.open(path).size for path, _ in items]
+    return float(np.mean([w * h for w, h in sizes]))
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prepare once locally and once on S3, then time the three readers for both views."""
+    """Prepare every photo set locally and on S3, then time the readers for both views."""
     args = parse_args(argv)
     from puma.runtime import init_ray
 
@@ -167,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         import ray.data
 
         ray.data.DataContext.get_current().enable_progress_bars = False
-        return run(args, work)
+        rows = [row for name in args.sets for row in run_set(name, args, work)]
+        report(rows, args)
+        return 0
     finally:
         if server is not None:
             server.terminate()
@@ -175,46 +249,109 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(args: argparse.Namespace, work: Path) -> int:
+def run_set(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    """Every setting on one photo set: a row per (setting, view)."""
     per_class = max(2, math.ceil(args.images / 100))
     spec = SourceSpec("cub", "cub", args.source, max_per_class=per_class)
+    if name == "large":
+        spec = large_photos(spec, work / "large")
     listing = convert(spec)
     items = {view: [(i.source_path, i.label) for i in listing.items if view == "eval" or i.split == "train"]
              for view in ("eval", "train")}  # the rows each Ray setting streams
-    results: dict[str, tuple[float, float, int]] = {}
+    pixels = mean_pixels(items["eval"])
+    print(f"[bench] {name}: {len(items['eval'])} photos, mean {math.sqrt(pixels):.0f} px side", flush=True)
+    roots = {"local": (str(work / name / "prepared"), 0), "s3": (f"s3://puma-bench/{name}/prepared", 0)}
+    if name == "large":
+        roots["local-shrunk"] = (str(work / name / "shrunk"), args.max_side)
     manifests = {}
-    for where, uri in (("local", str(work / "prepared")), ("s3", "s3://puma-bench/prepared")):
+    for where, (uri, max_side) in roots.items():
         storage.ensure_bucket(uri)
         start = time.perf_counter()
-        manifests[where] = prepare([spec], uri, shard_rows=500, log=lambda _: None).manifest
-        elapsed = time.perf_counter() - start
-        print(f"[bench] prepare -> {where}: {len(items['eval'])} images in {elapsed:.1f}s", flush=True)
+        manifests[where] = prepare([spec], uri, shard_rows=500, log=lambda _: None,
+                                   max_side=max_side).manifest
+        print(f"[bench] prepare -> {where}: {time.perf_counter() - start:.1f}s", flush=True)
+    settings = [("ray-local", "local", []), ("ray-s3", "s3", [])]
+    if name == "large":
+        settings += [("ray-local-full", "local", ["data.jpeg_draft=false"]),
+                     ("ray-local-shrunk", "local-shrunk", [])]
+    rows = []
     for train in (False, True):
         view = "train" if train else "eval"
-        for where, manifest in manifests.items():
-            cfg = load_config(None, [f"data.uri={manifest.uri}", f"model.backbone.img_size={args.img_size}",
-                                     f"train.batch_size={args.batch_size}",
-                                     f"data.rejects_uri={work / 'rejects.jsonl'}", *args.overrides])
-            results[f"ray-{where}/{view}"] = ray_setting(cfg, manifest, train, args.epochs)
-            print(f"[bench] ray-{where}/{view}: {results[f'ray-{where}/{view}']}", flush=True)
-        results[f"torch-local/{view}"] = torch_setting(items[view], args.img_size, train, args)
-        print(f"[bench] torch-local/{view}: {results[f'torch-local/{view}']}", flush=True)
-    print_table(results, args)
-    return 0
+        for setting, where, extra in settings:
+            keys = [f"data.uri={manifests[where].uri}", f"train.batch_size={args.batch_size}",
+                    f"model.backbone.img_size={args.img_size}", f"data.rejects_uri={work / 'rejects.jsonl'}"]
+            cfg = load_config(None, [*keys, *extra, *args.overrides])
+            result = ray_setting(cfg, manifests[where], train, args.epochs)
+            rows.append(_row(name, pixels, setting, view, result))
+        result = torch_setting(items[view], args.img_size, train, args)
+        rows.append(_row(name, pixels, "torch-local", view, result))
+        if name == "large":
+            rows.append(_row(name, pixels, "torch-local-full", view,
+                             torch_setting(items[view], args.img_size, train, args, draft=False)))
+    return rows
 
 
-def print_table(results: dict[str, tuple[float, float, int]], args: argparse.Namespace) -> None:
-    print(f"\n{args.images} CUB images at {args.img_size}px, batch {args.batch_size}, "
-          f"{args.epochs} passes each, Ray overrides {args.overrides or 'none'}, "
-          f"{os.cpu_count()} cores; DataLoader workers {args.workers}")
-    print(f"{'setting':<22}{'rows':>7}{'first rows/s':>14}{'best rows/s':>13}")
-    for name, (first, best, rows) in results.items():
-        print(f"{name:<22}{rows:>7}{first:>14.1f}{best:>13.1f}")
-    for view in ("eval", "train"):
-        local, s3, torch_ = (results[f"{k}/{view}"][1] for k in ("ray-local", "ray-s3", "torch-local"))
-        print(f"{view}: ray-local / torch-local = {local / torch_:.2f}x, "
-              f"ray-s3 / ray-local = {s3 / local:.2f}x, "
-              f"ray-s3 / torch-local = {s3 / torch_:.2f}x")
+def _row(photos: str, pixels: float, setting: str, view: str, result: Pass) -> dict:
+    row = {"photos": photos, "mean_side_px": round(math.sqrt(pixels)), "setting": setting, "view": view,
+           "rows": result.rows, "seconds": result.seconds, "cpu_seconds": result.cpu_seconds,
+           "rows_per_s": result.rows_per_s, "rows_per_core_s": result.rows_per_core_s, "cores": result.cores}
+    print(f"[bench] {photos} {setting}/{view}: {result.rows_per_s:.1f} rows/s, "
+          f"{result.rows_per_core_s:.1f} rows per core-second ({result.cores:.2f} cores busy)", flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def gpu_images_per_s(path: str) -> tuple[float, str]:
+    """(images/s of PUMA's training step on one GPU, device name) from bench_train.py's record, or (0, '')."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return 0.0, ""
+    rates = [r["images_per_s"] for r in data.get("rows", []) if r.get("variant") == "puma step"]
+    names = data.get("environment", {}).get("device", {}).get("names", [""])
+    return (float(rates[0]), names[0]) if rates else (0.0, "")
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per photo set and view: each setting's rows per core-second over torch-local's."""
+    out = []
+    for row in rows:
+        base = next(r for r in rows if (r["photos"], r["view"], r["setting"]) ==
+                    (row["photos"], row["view"], "torch-local"))
+        out.append({**row, "per_core_vs_torch": row["rows_per_core_s"] / base["rows_per_core_s"],
+                    "rate_vs_torch": row["rows_per_s"] / base["rows_per_s"]})
+    return out
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    rows = ratios(rows)
+    gpu_rate, gpu_name = gpu_images_per_s(args.train_record)
+    lines = ["| photos (mean side) | view | setting | rows/s | rows per core-second | cores busy | "
+             "per core vs DataLoader | rows/s vs DataLoader |" + (" cores per GPU |" if gpu_rate else ""),
+             "|---" * (8 + bool(gpu_rate)) + "|"]
+    for r in rows:
+        cells = [f"{r['photos']} ({r['mean_side_px']} px)", r["view"], r["setting"], f"{r['rows_per_s']:.1f}",
+                 f"{r['rows_per_core_s']:.1f}", f"{r['cores']:.2f}", f"{r['per_core_vs_torch']:.2f}x",
+                 f"{r['rate_vs_torch']:.2f}x"]
+        if gpu_rate:
+            r["cores_per_gpu"] = gpu_rate / r["rows_per_core_s"]
+            cells.append(f"{r['cores_per_gpu']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    notes = (f"{args.images} photos per set at {args.img_size} px, batch {args.batch_size}, "
+             f"best of {args.epochs} passes, Ray overrides {args.overrides or 'none'}, "
+             f"DataLoader workers {args.workers}, "
+             f"{os.cpu_count()} logical CPUs; shrunk: data.prepare_max_side={args.max_side}")
+    if gpu_rate:
+        notes += (f"; cores per GPU: PUMA's training step at {gpu_rate:,.0f} images/s on one {gpu_name} "
+                  f"({Path(args.train_record).name}) over the row's rows per core-second")
+    print(f"\n{notes}\n{text}")
+    if args.record:
+        payload = {"rows": rows, "notes": notes, "gpu_images_per_s": gpu_rate}
+        record(args.record, payload, notes + "\n\n" + text,
+               title="Data pipeline: rows per CPU core, Ray Data vs a PyTorch DataLoader")
 
 
 if __name__ == "__main__":
