@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_methods import DEMO, _store, run_one  # noqa: E402
-from bench.record import record  # noqa: E402
+from bench.record import RESULTS, record  # noqa: E402
 from puma import storage  # noqa: E402
 from puma.methods import load_config  # noqa: E402
 
@@ -117,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(out, args)
     text = table(rows)
     print(text)
-    record("fewshot", {"rows": rows, "seeds": args.seeds, "shots": args.shots}, text,
+    payload = {"rows": rows, "seeds": args.seeds, "shots": args.shots}
+    record("fewshot", payload, text + "\n\n![few-shot curve](fewshot.png)",
            title="Few-shot: harmonic R@1 against training images per class (demo data, test split)")
+    if rows:
+        from puma.report.figures import fewshot_curve
+
+        (RESULTS / "fewshot.png").write_bytes(fewshot_curve(rows))  # the README's picture
     return 0
 
 

@@ -147,20 +147,25 @@ def keep_prob_curve(keep_prob: Sequence[float], values: Sequence[float], complet
 
 
 def fewshot_curve(rows: Sequence[dict]) -> bytes:
-    """Harmonic R@1 against shots per class, one line per method (a band of +- one std)."""
+    """Harmonic R@1 against shots per class, one line per method (a band of +- one std); the zero-shot
+    row (0 shots, the frozen backbone) is a dashed level, so k runs on a log2 axis."""
     fig = _figure(6.5, 4)
     ax = fig.add_subplot()
-    for method in sorted({r["method"] for r in rows}):
-        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["shots"])
+    trained = [r for r in rows if r["shots"] > 0]
+    for method in sorted({r["method"] for r in trained}):
+        mine = sorted((r for r in trained if r["method"] == method), key=lambda r: r["shots"])
         shots = np.array([r["shots"] for r in mine])
         mean = np.array([r["harmonic_r1_mean"] for r in mine])
         std = np.array([r["harmonic_r1_std"] for r in mine])
         ax.plot(shots, mean, marker="o", label=method)
         ax.fill_between(shots, mean - std, mean + std, alpha=0.2)
-    shots = sorted({r["shots"] for r in rows})
-    if shots[0] > 0:
+    for r in rows:
+        if r["shots"] == 0:
+            ax.axhline(r["harmonic_r1_mean"], color="grey", linestyle="--", label=f"{r['method']} (0 shots)")
+    shots = sorted({r["shots"] for r in trained})
+    if shots:
         ax.set_xscale("log", base=2)
-    ax.set_xticks(shots, [str(s) for s in shots])
+        ax.set_xticks(shots, [str(s) for s in shots])
     ax.set(xlabel="shots per class", ylabel="harmonic R@1", title="few-shot", ylim=(0, 1.05))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
