@@ -636,7 +636,7 @@ class Config:
 
     def __post_init__(self) -> None:
         size = self.model.backbone.img_size
-        need = int(size * 256 / 224)  # the eval view's shorter side before its crop (images.eval_resize_size)
+        need = int(size * 256 / 224)  # images.eval_resize_size (config sits below puma.data: no import)
         _check(not self.data.prepare_max_side or self.data.prepare_max_side >= need,
                f"data.prepare_max_side={self.data.prepare_max_side} would store images smaller than the "
                f"{need} px the eval view of model.backbone.img_size={size} resizes to; use 0 (off) or >= "

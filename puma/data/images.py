@@ -20,11 +20,13 @@ shards then hold images whose longer side is at most that many pixels.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,18 +94,13 @@ def eval_resize_size(img_size: int) -> int:
     return int(img_size * 256 / 224)
 
 
-def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> Image.Image:
-    """RGB image from encoded bytes; raises ImageRejected (corrupt, truncated, tiny, too_large)."""
+@contextlib.contextmanager
+def _rejects_bad_bytes() -> Iterator[None]:
+    """Turn any decoder failure inside the block into ImageRejected (corrupt, truncated, too_large)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(data))
-            if min(img.size) < min_size:
-                raise ImageRejected("tiny", f"{img.size[0]}x{img.size[1]} < {min_size} px")
-            if draft_side and img.format == "JPEG":
-                img.draft(None, (draft_side, draft_side))
-            img.load()
-            return to_rgb(ImageOps.exif_transpose(img))
+            yield
     except ImageRejected:
         raise
     except Image.DecompressionBombError as exc:
@@ -112,6 +109,18 @@ def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> I
         text = re.sub(r" <[^>]* at 0x[0-9a-f]+>", "", f"{type(exc).__name__}: {exc}")  # no addresses
         truncated = isinstance(exc, EOFError) or "truncat" in str(exc).lower()
         raise ImageRejected("truncated" if truncated else "corrupt", text) from exc
+
+
+def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> Image.Image:
+    """RGB image from encoded bytes; raises ImageRejected (corrupt, truncated, tiny, too_large)."""
+    with _rejects_bad_bytes():
+        img = Image.open(io.BytesIO(data))
+        if min(img.size) < min_size:
+            raise ImageRejected("tiny", f"{img.size[0]}x{img.size[1]} < {min_size} px")
+        if draft_side and img.format == "JPEG":
+            img.draft(None, (draft_side, draft_side))
+        img.load()
+        return to_rgb(ImageOps.exif_transpose(img))
 
 
 def verify_image(data: bytes) -> None:
@@ -129,17 +138,14 @@ def shrink_encoded(data: bytes, max_side: int) -> bytes | None:
 
     Upright (EXIF orientation applied) and RGB (alpha on white); Lanczos from a DCT-scaled draft of at
     least twice the target size (as Pillow's thumbnail does); JPEG sources stay JPEG (quality 90, 4:2:0
-    chroma: embeddings within cosine 0.9998 of the full-size photo's, tests/test_data_prepare.py), others
+    chroma: embeddings within cosine 0.9995 of the full-size photo's, tests/test_data_prepare.py), others
     become PNG (lossless). An image just above the limit can come out larger than a heavily compressed
-    source; the gain is on photos several times the limit. Raises ImageRejected for undecodable bytes.
+    source; the gain is on photos several times the limit. Raises ImageRejected as ``decode_image`` does
+    (a shrunk image has been decoded to its end, so it needs no ``verify_image``).
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            img = Image.open(io.BytesIO(data))
-            fmt, (width, height) = img.format, img.size
-        except Exception as exc:  # noqa: BLE001 - the decoder's reason is the reject's detail
-            raise ImageRejected("corrupt", f"{type(exc).__name__}: {exc}") from exc
+    with _rejects_bad_bytes():
+        img = Image.open(io.BytesIO(data))
+        fmt, (width, height) = img.format, img.size
     if max(width, height) <= max_side:
         return None
     draft = math.ceil(2 * min(width, height) * max_side / max(width, height))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from puma import storage
 from puma.config import ConfigError
 from puma.data import schema
+from puma.data.images import eval_resize_size
 from puma.errors import UserError
 
 
@@ -61,7 +62,7 @@ class Manifest:
 
     def check_view_size(self, img_size: int) -> None:
         """ConfigError if the shards were shrunk below what the eval view of ``img_size`` px resizes to."""
-        need = int(img_size * 256 / 224)
+        need = eval_resize_size(img_size)
         if self.max_side and self.max_side < need:
             raise ConfigError(f"{self.uri} holds images shrunk to {self.max_side} px "
                               f"(data.prepare_max_side), "

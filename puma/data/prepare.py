@@ -69,8 +69,9 @@ class ResizeCount:
     bytes_after: int = 0
 
     def add(self, before: int, after: int) -> None:
-        self.images, self.bytes_before, self.bytes_after = \
-            self.images + 1, self.bytes_before + before, self.bytes_after + after
+        self.images += 1
+        self.bytes_before += before
+        self.bytes_after += after
 
 
 def spec_dict(preset: str, specs: Sequence[SourceSpec], shard_rows: int, max_side: int = 0) -> dict:
@@ -182,9 +183,9 @@ def _read_item(item: SourceItem, verify: bool = True, max_side: int = 0) -> tupl
     if not data:
         return b"", "empty_file", "0 bytes", 0
     try:
-        if verify:
+        small = shrink_encoded(data, max_side) if max_side else None  # decodes (so verifies) what it shrinks
+        if verify and small is None:
             verify_image(data)
-        small = shrink_encoded(data, max_side) if max_side else None
     except ImageRejected as exc:
         return b"", exc.reason, exc.detail, 0
     return (small, "", "", len(data)) if small is not None else (data, "", "", 0)
