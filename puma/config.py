@@ -337,6 +337,9 @@ class DataConfig:
     jpeg_draft: bool = True  # decode a JPEG at a reduced DCT scale (1/2, 1/4, 1/8) that still leaves the
     # pixels the view needs (eval: 256 px shorter side at 224; train: 2.6 x img_size): large photos decode
     # several times faster; at 224 px embeddings stay within cosine 0.9997 of a full-size decode
+    decode_on: str = "tasks"  # tasks: Ray Data tasks decode, crop and normalise (PIL) | worker: the tasks
+    # read only plain JPEGs' headers and plan the crop; the consuming Train worker / embedding actor decodes
+    # them on its device (nvjpeg on a GPU) and crops there; CPU cores per GPU drop to the header parsing
     shots_per_class: int = 0  # few-shot training: k training images per class (0: all), seeded, stable
     shots_seed: int = 0  # which k images (puma/data/fewshot.py): the same seed picks the same images
     deterministic: bool = False  # each worker gets the same rows in the same order on every run (Ray
@@ -350,6 +353,7 @@ class DataConfig:
         _check(self.num_decode_cpus > 0, f"data.num_decode_cpus={self.num_decode_cpus!r} must be > 0")
         _check(self.min_image_size >= 1, f"data.min_image_size={self.min_image_size!r} must be >= 1")
         _check_choice("data.shuffle", self.shuffle, ("global", "local", "none"))
+        _check_choice("data.decode_on", self.decode_on, ("tasks", "worker"))
         _check(self.decode_batch_size >= 1, "data.decode_batch_size must be >= 1")
         _check(self.shots_per_class >= 0, f"data.shots_per_class={self.shots_per_class!r} must be >= 0 "
                                          "(0: every training image)")

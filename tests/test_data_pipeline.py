@@ -186,6 +186,33 @@ def test_train_stream_global_labels_and_per_epoch_randomness(ray_cluster, prepar
     assert all(np.array_equal(first[i], img) for i, img in zip(again["item_id"], again["image"], strict=True))
 
 
+def _images_by_item(ds, epochs: int = 1) -> list[dict[str, np.ndarray]]:
+    """Per epoch, item id -> its model input (batch_images on the CPU, whichever side decoded)."""
+    from puma.data.device_views import batch_images
+
+    out = []
+    for _ in range(epochs):  # one execution of the stream each
+        out.append({i: img for b in ds.iter_batches(batch_size=8, batch_format="numpy")
+                    for i, img in zip(b["item_id"], batch_images(b, "cpu").numpy(), strict=True)})
+    return out
+
+
+def test_decoding_on_the_worker_yields_the_tasks_views_in_both_streams(ray_cluster, prepared):
+    """data.decode_on=worker: the same items, labels, crops and flips per epoch, decoded by the consumer
+    (JPEGs of cub) or by the tasks (PNGs of shop), as data.decode_on=tasks without draft decoding."""
+    root, manifest, _ = prepared
+    tasks, worker = _cfg(root, "data.jpeg_draft=false"), _cfg(root, "data.decode_on=worker")
+    label_map = pipeline.global_label_map(manifest)
+    for make in (lambda c: pipeline.eval_dataset(c, manifest, "test", MEAN, STD),
+                 lambda c: pipeline.train_dataset(c, manifest, label_map, MEAN, STD)):
+        batch = next(iter(make(worker).iter_batches(batch_size=64, batch_format="numpy")))
+        assert batch["image"].dtype == np.uint8 and {bool(j) for j in batch["jpeg"]} == {True, False}
+        want, got = _images_by_item(make(tasks), 2), _images_by_item(make(worker), 2)
+        assert [w.keys() for w in want] == [g.keys() for g in got]
+        for w, g in zip(want, got, strict=True):
+            assert max(np.abs(w[i] - g[i]).max() for i in w) * max(STD) * 255 <= 2.5
+
+
 def test_streaming_split_reseeds_each_epoch(ray_cluster, prepared):
     """The path Ray Train uses (streaming_split): each epoch is a new execution, with new crops."""
     root, manifest, _ = prepared

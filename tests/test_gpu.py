@@ -123,8 +123,10 @@ def test_two_ray_train_workers_sharing_the_gpu_equal_one_cuda_process(ray_cluste
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.parametrize("decode_on", ["tasks", "worker"])
 def test_the_training_job_runs_on_the_gpu_over_nccl_and_its_checkpoint_loads_on_cpu(
-        ray_cluster, cub_tree, tmp_path):
+        ray_cluster, cub_tree, tmp_path, decode_on):
+    """data.decode_on=worker: the Train worker decodes the JPEGs with nvjpeg (training and evaluation)."""
     from puma.checkpoint import load_model, read_checkpoint
     from puma.config import load_config
     from puma.data.prepare import prepare
@@ -140,7 +142,8 @@ def test_the_training_job_runs_on_the_gpu_over_nccl_and_its_checkpoint_loads_on_
     cfg_file.write_text(yaml.safe_dump({
         "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                   "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-        "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8},
+        "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8,
+                 "decode_on": decode_on},
         "train": {"epochs": 2, "batch_size": 8, "cpus_per_worker": 0.5, "use_gpu": True,
                   "gpus_per_worker": 1.0, "precision": "bf16", "storage_path": str(tmp_path / "runs"),
                   "run_name": "gpu"},

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
+from puma.data import schema
+
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is a reject, never a grey-padded image
 TRAIN_SCALE = (0.2, 1.0)
 TRAIN_RATIO = (3 / 4, 4 / 3)
@@ -58,6 +60,7 @@ class ViewSpec:
     min_size: int = 16
     seed: int = 0
     draft: bool = True  # JPEGs at a reduced DCT scale when the view needs far fewer pixels (data.jpeg_draft)
+    on_worker: bool = False  # plain JPEGs leave as bytes and a crop plan (data.decode_on=worker)
 
 
 Normalisation = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std), one value per channel
@@ -76,11 +79,12 @@ def backbone_normalisation(cfg) -> Normalisation:
 def view_spec(cfg, train: bool, normalisation: Normalisation | None = None,
               min_size: int | None = None) -> ViewSpec:
     """The train or eval view of ``cfg``: model.backbone.img_size, the backbone's mean / std (unless
-    ``normalisation`` is given), data.min_image_size (unless ``min_size`` is), train.seed, data.jpeg_draft."""
+    ``normalisation`` is given), data.min_image_size (unless ``min_size`` is), train.seed, data.jpeg_draft,
+    data.decode_on."""
     mean, std = normalisation or backbone_normalisation(cfg)
     return ViewSpec(img_size=cfg.model.backbone.img_size, mean=tuple(mean), std=tuple(std), train=train,
                     min_size=cfg.data.min_image_size if min_size is None else min_size, seed=cfg.train.seed,
-                    draft=cfg.data.jpeg_draft)
+                    draft=cfg.data.jpeg_draft, on_worker=cfg.data.decode_on == "worker")
 
 
 def eval_view_spec(cfg, min_size: int | None = None) -> ViewSpec:
@@ -221,11 +225,7 @@ def train_view(img: Image.Image, img_size: int, rng: np.random.Generator) -> Ima
 
 def eval_view(img: Image.Image, img_size: int) -> Image.Image:
     """Resize the shorter side to eval_resize_size(img_size), center crop img_size (one resample)."""
-    factor = eval_resize_size(img_size) / min(img.width, img.height)
-    resized_w, resized_h = int(round(img.width * factor)), int(round(img.height * factor))
-    left = int(round((resized_w - img_size) / 2.0)) / factor
-    top = int(round((resized_h - img_size) / 2.0)) / factor
-    box = (left, top, left + img_size / factor, top + img_size / factor)
+    box = eval_box(img.width, img.height, img_size)
     return img.resize((img_size, img_size), Image.Resampling.BICUBIC, box=box)
 
 
@@ -244,10 +244,80 @@ def item_rng(seed: int, epoch: int, item_id: str) -> np.random.Generator:
 
 def make_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> np.ndarray:
     """Encoded bytes -> normalised float32 (3, img_size, img_size); raises ImageRejected."""
+    return normalise(_view_image(data, spec, rng), spec.mean, spec.std)
+
+
+def _view_image(data: bytes, spec: ViewSpec, rng: np.random.Generator | None) -> Image.Image:
+    """The train or eval view of ``data`` as an RGB PIL image of img_size x img_size."""
     draft = math.ceil(spec.img_size * 2.6) if spec.train else eval_resize_size(spec.img_size)
     img = decode_image(data, spec.min_size, draft_side=draft if spec.draft else None)
     if spec.train:
-        view = train_view(img, spec.img_size, rng if rng is not None else np.random.default_rng())
-    else:
-        view = eval_view(img, spec.img_size)
-    return normalise(view, spec.mean, spec.std)
+        return train_view(img, spec.img_size, rng if rng is not None else np.random.default_rng())
+    return eval_view(img, spec.img_size)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What a decode task hands the consuming worker for one image (data.decode_on=worker).
+
+    A plain JPEG (baseline or progressive, RGB or grayscale, upright) stays encoded: ``box`` is the
+    source region (left, top, right, bottom, in pixels of the full image) to resample to img_size,
+    ``flip`` whether to mirror it; the worker decodes it on its device (puma/data/device_views.py).
+    Any other image is decoded here: ``view`` is its view as uint8 (3, S, S) and ``data`` is None.
+    """
+
+    data: bytes | None
+    box: tuple[float, float, float, float]
+    flip: bool
+    view: np.ndarray | None
+
+
+def plan_worker_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> WorkerPlan:
+    """Read only the header of a plain JPEG and plan its view; decode any other image now (ImageRejected
+    as ``make_view``). The train box and flip are drawn from ``rng`` in train_view's order."""
+    with _rejects_bad_bytes():
+        img = Image.open(io.BytesIO(data))
+        plain = img.format == "JPEG" and img.mode in ("RGB", "L") and _orientation(img) == 1
+        size = img.size
+    if min(size) < spec.min_size:
+        raise ImageRejected("tiny", f"{size[0]}x{size[1]} < {spec.min_size} px")
+    if not plain:
+        view = np.asarray(_view_image(data, spec, rng)).transpose(2, 0, 1)  # (3, S, S) uint8
+        return WorkerPlan(None, (0.0, 0.0, 0.0, 0.0), False, np.ascontiguousarray(view))
+    if spec.train:
+        rng = rng if rng is not None else np.random.default_rng()
+        box = random_resized_crop_box(*size, rng)
+        return WorkerPlan(data, tuple(float(v) for v in box), bool(rng.random() < 0.5), None)
+    return WorkerPlan(data, eval_box(*size, spec.img_size), False, None)
+
+
+def worker_columns(plans: list[WorkerPlan], spec: ViewSpec) -> dict[str, np.ndarray]:
+    """The image columns of a data.decode_on=worker batch (puma/data/device_views.py) from its plans."""
+    size, n = spec.img_size, len(plans)
+    image = np.zeros((n, 3, size, size), np.uint8)  # (B, 3, S, S)
+    for i, plan in enumerate(plans):
+        if plan.view is not None:
+            image[i] = plan.view
+    jpeg = np.empty(n, dtype=object)
+    jpeg[:] = [plan.data or b"" for plan in plans]
+    return {schema.BATCH_IMAGE: image, schema.BATCH_JPEG: jpeg,
+            schema.BATCH_CROP: np.asarray([plan.box for plan in plans], np.float32).reshape(n, 4),
+            schema.BATCH_FLIP: np.asarray([plan.flip for plan in plans], bool),
+            schema.BATCH_NORMALISE: np.tile(np.asarray(spec.mean + spec.std, np.float32), (n, 1))}  # (B, 6)
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation tag (1: upright, also when absent or unreadable)."""
+    try:
+        return int(img.getexif().get(0x0112, 1) or 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block: the full decode path handles (or rejects) it
+        return 0
+
+
+def eval_box(width: int, height: int, img_size: int) -> tuple[float, float, float, float]:
+    """The source region eval_view resamples to img_size x img_size (the resize-then-center-crop box)."""
+    factor = eval_resize_size(img_size) / min(width, height)
+    resized_w, resized_h = int(round(width * factor)), int(round(height * factor))
+    left = int(round((resized_w - img_size) / 2.0)) / factor
+    top = int(round((resized_h - img_size) / 2.0)) / factor
+    return left, top, left + img_size / factor, top + img_size / factor

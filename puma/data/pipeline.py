@@ -6,7 +6,11 @@
       -> shuffle              train only, per epoch: data.shuffle = global | local | none
       -> decode + view        PIL, num_cpus = data.num_decode_cpus per task (fractional, so Ray
                               Train workers never starve the decode tasks); rejects leave the stream
+                              (data.decode_on=worker: plain JPEGs' headers only, the consumer decodes
+                              them on its device: puma/data/device_views.py)
     numpy batches: image float32 (B, 3, H, W), label int64, dataset, role, item_id
+                   (data.decode_on=worker: the columns of puma/data/device_views.py; consumers call
+                   device_views.batch_images either way)
 
 Labels: the training stream carries global ids from ``global_label_map`` (unique across
 datasets), and ``schema.UNLABELED`` for the rows of an unlabeled catalogue; evaluation streams
@@ -42,7 +46,15 @@ from puma import storage
 from puma.config import run_uri
 from puma.data import schema
 from puma.data.fewshot import select_shots
-from puma.data.images import ImageRejected, ViewSpec, item_rng, make_view, view_spec
+from puma.data.images import (
+    ImageRejected,
+    ViewSpec,
+    item_rng,
+    make_view,
+    plan_worker_view,
+    view_spec,
+    worker_columns,
+)
 from puma.data.manifest import DataNotPreparedError, Manifest
 from puma.data.rejects import Reject, dumps, read_rejects, reject_counts
 from puma.data.splits import LabelMap, global_label_map, label_range
@@ -236,13 +248,15 @@ def _global_labels(datasets: np.ndarray, labels: np.ndarray, lookup: Mapping[str
 
 def _decode_batch(batch: dict[str, np.ndarray], view: ViewSpec, lookup: Mapping[str, np.ndarray] | None,
                   log) -> dict[str, np.ndarray]:
-    """Decode and view every row; rejected rows go to the RejectLog and leave the batch."""
+    """Decode and view every row (or, data.decode_on=worker, plan the JPEGs' views); rejected rows go to
+    the RejectLog and leave the batch."""
     epoch = _execution_index()
-    images, keep, rejects = [], [], []
+    outputs, keep, rejects = [], [], []
     for i, (item_id, data) in enumerate(zip(batch[schema.ITEM_ID], batch[schema.IMAGE], strict=True)):
         rng = item_rng(view.seed, epoch, str(item_id)) if view.train else None
         try:
-            images.append(make_view(bytes(data), view, rng))  # (3, S, S)
+            make = plan_worker_view if view.on_worker else make_view
+            outputs.append(make(bytes(data), view, rng))  # float32 (3, S, S) | WorkerPlan
             keep.append(i)
         except ImageRejected as exc:
             rejects.append(Reject(str(item_id), str(batch[schema.DATASET][i]), exc.reason, "decode",
@@ -255,11 +269,15 @@ def _decode_batch(batch: dict[str, np.ndarray], view: ViewSpec, lookup: Mapping[
     datasets = np.asarray(batch[schema.DATASET]).astype(str)[idx]
     if lookup is not None:
         labels = _global_labels(datasets, labels, lookup)
-    size = view.img_size
-    return {schema.BATCH_IMAGE: np.stack(images) if images else np.zeros((0, 3, size, size), np.float32),
-            schema.LABEL: labels, schema.DATASET: datasets,
+    images = worker_columns(outputs, view) if view.on_worker else {schema.BATCH_IMAGE: _stack(outputs, view)}
+    return {**images, schema.LABEL: labels, schema.DATASET: datasets,
             schema.ROLE: np.asarray(batch[schema.ROLE]).astype(str)[idx],
             schema.ITEM_ID: np.asarray(batch[schema.ITEM_ID]).astype(str)[idx]}
+
+
+def _stack(views: list[np.ndarray], view: ViewSpec) -> np.ndarray:
+    size = view.img_size
+    return np.stack(views) if views else np.zeros((0, 3, size, size), np.float32)  # (B, 3, S, S)
 
 
 def _decode(cfg, manifest: Manifest, rows: ray.data.Dataset, view: ViewSpec,

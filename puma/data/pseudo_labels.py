@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from puma.config import ConfigError
+from puma.data.device_views import batch_images
 from puma.distributed import broadcast_object, is_distributed
 
 
@@ -84,7 +85,7 @@ def embed_items(embed_fn: Callable[[torch.Tensor], torch.Tensor], batches: Itera
     """(embeddings (N, E) float32, item_ids (N,)) of numpy batches with columns image and item_id."""
     embeddings, item_ids = [], []
     for batch in batches:
-        images = torch.as_tensor(np.asarray(batch["image"]), device=device)  # (B, 3, H, W)
+        images = batch_images(batch, device)  # (B, 3, H, W)
         embeddings.append(embed_fn(images).float().cpu().numpy())  # (B, E)
         item_ids.append(np.asarray(batch["item_id"]).astype(str))
     if not item_ids:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from puma.config import ConfigError
+from puma.data.device_views import batch_images
 
 
 @dataclass
@@ -32,7 +33,7 @@ def embed_batches(embed_fn: Callable[[torch.Tensor], torch.Tensor], batches: Ite
     ``on_batch(rows)`` after each (progress)."""
     parts: dict[str, list] = {k: [] for k in ("embeddings", "labels", "datasets", "roles", "item_ids")}
     for batch in batches:
-        images = torch.as_tensor(np.asarray(batch["image"]), device=device)  # (B, 3, H, W)
+        images = batch_images(batch, device)  # (B, 3, H, W)
         parts["embeddings"].append(embed_fn(images).float().cpu().numpy())  # (B, E)
         parts["labels"].append(np.asarray(batch["label"], dtype=np.int64))
         parts["datasets"].append(np.asarray(batch["dataset"]).astype(str))

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from puma import storage
 from puma.data import schema
-from puma.data.images import ImageRejected, ViewSpec, make_view
+from puma.data.images import ImageRejected, ViewSpec, make_view, plan_worker_view, worker_columns
 from puma.data.rejects import Reject
 from puma.index.table import (
     CATALOGUE,
@@ -66,7 +66,8 @@ def read_image_bytes(refs: pa.Table) -> list[bytes | Exception]:
 
 
 def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], list[dict]]:
-    """(numpy batch of the decodable references with their eval views, reject rows of the others)."""
+    """(numpy batch of the decodable references with their eval views, reject rows of the others);
+    data.decode_on=worker: the plain JPEGs' views are planned, the Embedder decodes them on its device."""
     keep, images, rejects = [], [], []
     for i, data in enumerate(read_image_bytes(refs)):
         try:
@@ -74,12 +75,14 @@ def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], 
                 raise ImageRejected("missing_file", str(data))
             if not data:
                 raise ImageRejected("empty_file", "0 bytes")
-            images.append(make_view(bytes(data), view))  # (3, S, S)
+            images.append((plan_worker_view if view.on_worker else make_view)(bytes(data), view))
             keep.append(i)
         except ImageRejected as exc:
             rejects.append(_reject_row(refs, i, exc))
     kept = refs.take(pa.array(keep, pa.int64()))
     batch = {c: kept[c].to_numpy(zero_copy_only=False) for c in META_COLUMNS}
+    if view.on_worker:
+        return {**batch, **worker_columns(images, view)}, rejects
     size = view.img_size
     batch[IMAGE] = np.stack(images) if images else np.zeros((0, 3, size, size), np.float32)  # (B, 3, S, S)
     return batch, rejects
@@ -120,17 +123,23 @@ class Embedder:
         self.dim = int(self.forward(np.zeros((1, 3, cfg.model.backbone.img_size,
                                                cfg.model.backbone.img_size), np.float32)).shape[1])
 
-    def forward(self, images: np.ndarray) -> np.ndarray:
-        """Eval views (B, 3, S, S) -> embeddings (B, E) float32, on the actor's device."""
+    def forward(self, images) -> np.ndarray:
+        """Eval views (B, 3, S, S), numpy or a tensor on the actor's device -> embeddings (B, E) float32."""
         import torch
 
         with torch.inference_mode():
-            x = torch.from_numpy(np.array(images, np.float32)).to(self.device)  # (B, 3, S, S), writable copy
-            return self.model(x).float().cpu().numpy()  # (B, E), L2-normalised by the head
+            if isinstance(images, np.ndarray):
+                images = torch.from_numpy(np.array(images, np.float32)).to(self.device)  # writable copy
+            return self.model(images).float().cpu().numpy()  # (B, E), L2-normalised by the head
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images = batch[IMAGE]
-        emb = self.forward(images) if len(images) else np.zeros((0, self.dim), np.float32)  # (B, E)
+        """A batch of decode_refs (decoded here first, on the actor's device, with data.decode_on=worker)."""
+        from puma.data.device_views import batch_images
+
+        if len(batch[ITEM_ID]):
+            emb = self.forward(batch_images(batch, self.device))  # (B, E)
+        else:
+            emb = np.zeros((0, self.dim), np.float32)
         out = {c: batch[c] for c in META_COLUMNS}
         out[EMBEDDING] = emb
         return out

@@ -173,6 +173,7 @@ def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -
     state = read_checkpoint(checkpoint)
     model_cfg = state.config
     view = eval_view_spec(model_cfg, min_size=cfg.data.min_image_size)  # the model's view, the job's limit
+    view = dataclasses.replace(view, on_worker=cfg.data.decode_on == "worker")  # and the job's decoder
     report = EmbedReport(catalogue=catalogue, index_uri=index_uri, checkpoint=checkpoint,
                          model_id=checkpoint_id(checkpoint, state),
                          rejects_uri=rejects_uri(index_uri, catalogue))

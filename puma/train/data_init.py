@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from puma.data.device_views import batch_images
 from puma.models.head import FeatureMoments
 
 Reduce = Callable[[list[torch.Tensor]], None]
@@ -33,7 +34,7 @@ def _features(model: nn.Module, batches: Iterable[dict], device: torch.device,
     model.eval()
     feats, labels = [], []
     for batch in batches:
-        images = torch.as_tensor(np.asarray(batch["image"]), device=device)  # (B, 3, H, W)
+        images = batch_images(batch, device)  # (B, 3, H, W)
         feats.append(model.forward_features(images).float().cpu())  # (B, D)
         labels.append(torch.as_tensor(np.asarray(labels_of(batch)), dtype=torch.long))
     model.train(was_training)

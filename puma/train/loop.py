@@ -27,6 +27,7 @@ from puma.checkpoint import (
     verify_probe,
 )
 from puma.config import Config, from_dict, to_dict
+from puma.data.device_views import batch_images
 from puma.distributed import sum_over_ranks
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
@@ -227,7 +228,7 @@ def _train_epoch(cfg: Config, module, optimizer, scheduler, scaler, device, epoc
     for i, batch in enumerate(_batches("train", per_worker, drop_last=True, **iter_options(cfg, epoch))):
         if cfg.train.max_steps_per_epoch is not None and i >= cfg.train.max_steps_per_epoch:
             break
-        images = torch.as_tensor(batch["image"], device=device)  # (B, 3, H, W)
+        images = batch_images(batch, device)  # (B, 3, H, W)
         labels = torch.as_tensor(batch_labels(batch), device=device, dtype=torch.long)  # (B,)
         set_step_lr(optimizer, scheduler, state.step, cfg.optim.warmup_steps)
         out = train_step(module, optimizer, images, labels, cfg.optim.clip_value, cfg.train.precision, scaler)

@@ -1,0 +1,131 @@
+"""data.decode_on=worker: the tasks plan plain JPEGs' views from their headers, the consuming worker
+decodes and resamples them on its device (puma/data/device_views.py). On a CPU (torchvision's
+libjpeg-turbo) the views equal the tasks' PIL views; on a GPU (nvjpeg, ``gpu`` marker) they differ
+only by the IDCT's rounding."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import encode_image
+from PIL import Image
+
+from puma.config import ConfigError, load_config
+from puma.data import device_views, schema
+from puma.data.device_views import batch_images
+from puma.data.images import (
+    ImageRejected,
+    ViewSpec,
+    item_rng,
+    make_view,
+    plan_worker_view,
+    worker_columns,
+)
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cub200-subset" / "CUB_200_2011" / "images"
+
+
+def _photos(count: int = 24) -> list[bytes]:
+    files = sorted(SAMPLE.rglob("*.jpg"))[:count]
+    assert len(files) == count, f"the CUB sample photos are missing under {SAMPLE}"
+    return [f.read_bytes() for f in files]
+
+
+def _large(datas: list[bytes], side: int = 1000) -> list[bytes]:
+    """The photos resized up to a longer side of ``side`` px (JPEG q90), as SOP or NABirds photos are."""
+    out = []
+    for data in datas:
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        factor = side / max(img.size)
+        buf = io.BytesIO()
+        img.resize((round(img.width * factor), round(img.height * factor)), Image.Resampling.BICUBIC) \
+            .save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def _levels(datas: list[bytes], train: bool, device: str, size: int = 224) -> np.ndarray:
+    """|worker view - PIL view| in 8-bit levels, per row: (N, 3, S, S)."""
+    spec = ViewSpec(size, MEAN, STD, train, draft=False)
+    worker = ViewSpec(size, MEAN, STD, train, on_worker=True)
+    rng = (lambda i: item_rng(3, 1, f"item{i}")) if train else (lambda i: None)
+    reference = np.stack([make_view(d, spec, rng(i)) for i, d in enumerate(datas)])
+    batch = worker_columns([plan_worker_view(d, worker, rng(i)) for i, d in enumerate(datas)], worker)
+    got = batch_images(batch, device)
+    assert got.device.type == torch.device(device).type and got.dtype == torch.float32
+    return np.abs(got.cpu().numpy() - reference) * np.asarray(STD, np.float32)[:, None, None] * 255
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_worker_views_equal_the_tasks_pil_views_on_the_cpu(train):
+    levels = _levels(_photos(), train, "cpu")
+    assert levels.max() <= 2.5, "PIL's fixed-point weights differ from ours by at most a level or two"
+    assert levels.mean() < 0.01
+
+
+def test_only_plain_jpegs_are_left_to_the_worker_and_the_rest_match_too():
+    buf, exif = io.BytesIO(), Image.Exif()
+    exif[0x0112] = 6  # stored sideways
+    Image.open(io.BytesIO(encode_image(size=(60, 40), seed=4))).save(buf, format="JPEG", exif=exif.tobytes())
+    images = {"rgb": encode_image(size=(60, 40), seed=1), "grayscale": encode_image("L", (60, 40), seed=2),
+              "cmyk": encode_image("CMYK", (60, 40), seed=3), "png": encode_image(size=(60, 40), fmt="PNG"),
+              "rotated": buf.getvalue()}
+    worker = ViewSpec(32, MEAN, STD, False, on_worker=True)
+    plans = {k: plan_worker_view(v, worker) for k, v in images.items()}
+    assert {k for k, p in plans.items() if p.data is not None} == {"rgb", "grayscale"}
+    decoded = [p.view for p in plans.values() if p.data is None]
+    assert all(v.shape == (3, 32, 32) and v.dtype == np.uint8 for v in decoded)
+    levels = _levels(list(images.values()), False, "cpu", size=32)
+    assert levels.max() <= 2.5
+
+
+def test_bad_images_are_rejected_by_the_task_as_before(bad_images):
+    worker = ViewSpec(32, MEAN, STD, False, on_worker=True)
+    for name in ("corrupt", "tiny"):
+        with pytest.raises(ImageRejected) as err:
+            plan_worker_view(bad_images[name][0], worker)
+        assert err.value.reason == bad_images[name][1]
+
+
+def test_a_jpeg_the_device_decoder_refuses_is_decoded_with_pil_instead(monkeypatch):
+    import torchvision.io
+
+    datas = _photos(4)
+    real = torchvision.io.decode_jpeg
+
+    def refuse_second(data, *args, **kwargs):  # failure injection: the batch call and one image fail
+        if isinstance(data, list) or data.numel() == len(datas[1]):
+            raise RuntimeError("nvjpeg: unsupported stream")
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", refuse_second)
+    before = device_views.FALLBACKS["jpeg_on_cpu"]
+    assert _levels(datas, False, "cpu").max() <= 2.5
+    assert device_views.FALLBACKS["jpeg_on_cpu"] == before + 1
+
+
+def test_the_task_mode_batch_passes_through_unchanged():
+    images = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    got = batch_images({schema.BATCH_IMAGE: images, schema.ITEM_ID: np.array(["a", "b"])}, "cpu")
+    np.testing.assert_array_equal(got.numpy(), images)
+
+
+def test_decode_on_is_checked():
+    with pytest.raises(ConfigError, match="data.decode_on"):
+        load_config(None, ["data.decode_on=gpu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_nvjpeg_views_match_the_pil_views(train):
+    datas = _photos()
+    for photos in (datas, _large(datas)):
+        levels = _levels(photos, train, "cuda")
+        assert levels.mean() < 0.5, "nvjpeg and libjpeg-turbo differ by the IDCT's rounding only"
+        assert np.percentile(levels, 99) <= 3.0
