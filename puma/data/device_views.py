@@ -6,7 +6,7 @@ normalised every image: ``batch_images`` only moves ``image`` (float32) to the d
 With ``data.decode_on: worker`` the tasks read only the header of a plain JPEG (upright, RGB or
 grayscale) and plan its view (``images.plan_worker_view``); the consumer decodes it here, on its own
 device: nvjpeg through torchvision's batched ``decode_jpeg`` on a GPU, libjpeg-turbo on a CPU. It then
-resamples the planned box to img_size with PIL's own filter weights (``resample_box``: the same
+resamples the planned box to img_size with PIL's own filter weights (``resample_boxes``: the same
 pixels as the tasks' PIL views, up to the JPEG decoders' rounding), mirrors where planned and
 normalises. Images the
 tasks decoded themselves (PNG, CMYK, EXIF-rotated JPEGs ...) arrive as uint8 views. Prepare verified
@@ -45,12 +45,11 @@ def batch_images(batch: Mapping[str, np.ndarray], device: torch.device | str) ->
     jpegs = [bytes(b) for b in batch[schema.BATCH_JPEG]]
     rows = [i for i, data in enumerate(jpegs) if data]
     if rows:
-        size = views.shape[-1]
-        boxes = np.asarray(batch[schema.BATCH_CROP], np.float64)
-        flips = np.asarray(batch[schema.BATCH_FLIP], bool)
+        boxes = np.asarray(batch[schema.BATCH_CROP], np.float64)[rows]  # (J, 4)
+        flips = np.asarray(batch[schema.BATCH_FLIP], bool)[rows]
         decoded = decode_jpegs([jpegs[i] for i in rows], device)
-        for i, img in zip(rows, decoded, strict=True):
-            views[i] = resample_box(img, tuple(boxes[i]), size, bool(flips[i]))
+        index = torch.as_tensor(rows, device=device)
+        views.index_copy_(0, index, resample_boxes(decoded, boxes, views.shape[-1], flips))
     norm = torch.as_tensor(np.asarray(batch[schema.BATCH_NORMALISE], np.float32), device=device)  # (B, 6)
     mean, std = norm[:, :3, None, None], norm[:, 3:, None, None]
     return (views / 255.0 - mean) / std
@@ -78,41 +77,65 @@ def decode_jpegs(datas: list[bytes], device: torch.device) -> list[torch.Tensor]
             return out
 
 
-def resample_box(img: torch.Tensor, box: tuple[float, ...], size: int, flip: bool) -> torch.Tensor:
-    """The region ``box`` (left, top, right, bottom) of a uint8 (3, H, W) image resampled to float
-    (3, size, size) in 8-bit levels, as PIL's ``Image.resize(size, BICUBIC, box=box)`` computes it:
-    its filter weights (bicubic, a = -0.5, widened by the downscale factor, reading pixels around the
-    box), horizontal pass first, rounded to 8 bits after each pass. Two small matrix products."""
-    height, width = img.shape[-2:]
-    left, top, right, bottom = box
-    x0, weights_x = _pil_weights(width, left, right, size, img.device)  # (size, nx)
-    y0, weights_y = _pil_weights(height, top, bottom, size, img.device)  # (size, ny)
-    region = img[:, y0:y0 + weights_y.shape[1], x0:x0 + weights_x.shape[1]].float()  # (3, ny, nx)
-    rows = (region @ weights_x.T).round_().clamp_(0, 255)  # (3, ny, size)
-    view = (weights_y @ rows).round_().clamp_(0, 255)  # (3, size, size)
-    return view.flip(-1) if flip else view
+def resample_boxes(images: list[torch.Tensor], boxes: np.ndarray, size: int, flips: np.ndarray,
+                   chunk: int = 32) -> torch.Tensor:
+    """Each image's ``box`` (left, top, right, bottom) resampled to float (3, size, size) in 8-bit levels,
+    as PIL's ``Image.resize(size, BICUBIC, box=box)`` computes it: its filter weights (bicubic, a = -0.5,
+    widened by the downscale factor, reading the pixels around the box), horizontal pass first, rounded
+    to 8 bits after each pass. Batched: the regions, zero-padded to the largest, go through two batched
+    matrix products per ``chunk`` images (the padding has weight 0). Returns (N, 3, size, size)."""
+    out = []
+    for start in range(0, len(images), chunk):
+        part = slice(start, start + chunk)
+        out.append(_resample_chunk(images[part], boxes[part], size, flips[part]))
+    return torch.cat(out)
 
 
-def _bicubic(x: torch.Tensor, a: float = -0.5) -> torch.Tensor:
-    x = x.abs()
-    near = ((a + 2) * x - (a + 3)) * x * x + 1
-    far = (((x - 5) * x + 8) * x - 4) * a
-    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+def _resample_chunk(images: list[torch.Tensor], boxes: np.ndarray, size: int,
+                    flips: np.ndarray) -> torch.Tensor:
+    device = images[0].device
+    xs = [_pil_band(img.shape[-1], box[0], box[2], size) for img, box in zip(images, boxes, strict=True)]
+    ys = [_pil_band(img.shape[-2], box[1], box[3], size) for img, box in zip(images, boxes, strict=True)]
+    weights_x, weights_y = _dense(xs, size, device), _dense(ys, size, device)  # (N, S, nx), (N, S, ny)
+    regions = torch.zeros((len(images), 3, weights_y.shape[2], weights_x.shape[2]), device=device)
+    for i, (img, (x0, nx, _, _), (y0, ny, _, _)) in enumerate(zip(images, xs, ys, strict=True)):
+        regions[i, :, :ny, :nx] = img[:, y0:y0 + ny, x0:x0 + nx]  # uint8 -> float32
+    rows = (regions @ weights_x.transpose(1, 2)[:, None]).round_().clamp_(0, 255)  # (N, 3, ny, S)
+    views = (weights_y[:, None] @ rows).round_().clamp_(0, 255)  # (N, 3, S, S)
+    flip = torch.as_tensor(flips, device=device)
+    return torch.where(flip[:, None, None, None], views.flip(-1), views)
 
 
-def _pil_weights(in_size: int, start: float, stop: float, out_size: int,
-                 device: torch.device) -> tuple[int, torch.Tensor]:
-    """(first input pixel, weights (out_size, n)) of PIL's precompute_coeffs for one axis."""
+Band = tuple[int, int, np.ndarray, np.ndarray]  # first pixel, pixels spanned, index (out, k), weights
+
+
+def _pil_band(in_size: int, start: float, stop: float, out_size: int) -> Band:
+    """PIL's precompute_coeffs for one axis as a band: (first input pixel, pixels spanned, index (out, k)
+    relative to the first pixel, normalised weights (out, k), 0 outside each output pixel's support)."""
     scale = (stop - start) / out_size
     filter_scale = max(scale, 1.0)
     support = 2.0 * filter_scale  # bicubic's support, widened when downscaling
     centers = start + (np.arange(out_size) + 0.5) * scale
     lo = np.clip(np.trunc(centers - support + 0.5), 0, in_size).astype(np.int64)
     hi = np.clip(np.trunc(centers + support + 0.5), 0, in_size).astype(np.int64)
-    first, last = int(lo.min()), int(hi.max())
-    pixels = np.arange(first, last)  # (n,)
-    dist = (pixels[None, :] - centers[:, None] + 0.5) / filter_scale  # (out, n)
-    inside = (pixels[None, :] >= lo[:, None]) & (pixels[None, :] < hi[:, None])
-    weights = _bicubic(torch.from_numpy(dist)) * torch.from_numpy(inside)
-    weights = weights / weights.sum(1, keepdim=True).clamp_min(1e-12)
-    return first, weights.to(device=device, dtype=torch.float32)
+    taps = np.arange(int((hi - lo).max()))  # (k,)
+    pixels = lo[:, None] + taps[None, :]  # (out, k)
+    x = np.abs((pixels - centers[:, None] + 0.5) / filter_scale)
+    a = -0.5
+    weights = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                       np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+    weights = np.where(pixels < hi[:, None], weights, 0.0)
+    weights /= np.maximum(weights.sum(1, keepdims=True), 1e-12)
+    first = int(lo.min())
+    return first, int(hi.max()) - first, np.minimum(pixels, hi[:, None] - 1) - first, weights
+
+
+def _dense(bands: list[Band], size: int, device) -> torch.Tensor:
+    """(N, size, widest band) weight matrices from bands, built on ``device`` with one scatter."""
+    taps = max(b[2].shape[1] for b in bands)
+    index = np.zeros((len(bands), size, taps), np.int64)
+    weight = np.zeros((len(bands), size, taps), np.float32)
+    for i, (_, _, idx, w) in enumerate(bands):
+        index[i, :, :idx.shape[1]], weight[i, :, :w.shape[1]] = idx, w
+    dense = torch.zeros((len(bands), size, max(b[1] for b in bands)), device=device)
+    return dense.scatter_add_(2, torch.from_numpy(index).to(device), torch.from_numpy(weight).to(device))
