@@ -86,7 +86,7 @@ def device_rate(columns: list[dict], device, repeats: int) -> tuple[float, float
 
     batch_images(columns[0], device)  # warm-up: nvjpeg handles, kernels
     _sync(device)
-    best, cpu, rows = float("inf"), float("inf"), sum(len(c["jpeg"]) for c in columns)
+    best, cpu, rows = float("inf"), float("inf"), sum(len(c["encoded"]) for c in columns)
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
         outs = [batch_images(c, device) for c in columns]
@@ -139,7 +139,7 @@ def measure(name: str, datas: list[bytes], train: bool, args, device) -> dict:
             "tasks_rows_per_cpu_s": tasks, "plan_rows_per_cpu_s": plan, "device_rows_per_s": on_device,
             "device_rows_per_cpu_s": device_cpu, "decode_rows_per_s": decode,
             "decode_rows_per_cpu_s": decode_cpu, "libjpeg_rows_per_cpu_s": libjpeg_cpu,
-            "jpeg_rows": sum(p.data is not None for p in plans),
+            "jpeg_rows": sum(p.data == d for p, d in zip(plans, datas, strict=True)),
             "mean_abs_levels": float(levels.mean()), "p99_abs_levels": float(np.percentile(levels, 99))}
 
 

@@ -77,9 +77,9 @@ def test_only_plain_jpegs_are_left_to_the_worker_and_the_rest_match_too():
               "rotated": buf.getvalue()}
     worker = ViewSpec(32, MEAN, STD, False, on_worker=True)
     plans = {k: plan_worker_view(v, worker) for k, v in images.items()}
-    assert {k for k, p in plans.items() if p.data is not None} == {"rgb", "grayscale"}
-    decoded = [p.view for p in plans.values() if p.data is None]
-    assert all(v.shape == (3, 32, 32) and v.dtype == np.uint8 for v in decoded)
+    assert {k for k, p in plans.items() if p.data == images[k]} == {"rgb", "grayscale"}  # as stored
+    viewed = [Image.open(io.BytesIO(p.data)) for k, p in plans.items() if k not in ("rgb", "grayscale")]
+    assert all(v.format == "PNG" and v.size == (32, 32) for v in viewed)  # the tasks' views, lossless
     levels = _levels(list(images.values()), False, "cpu", size=32)
     assert levels.max() <= 2.5
 

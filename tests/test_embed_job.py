@@ -88,6 +88,17 @@ def stored(index_uri: str) -> pa.Table:
 # ----------------------------------------------------------------------------- tests
 
 
+def test_decoding_in_the_embedding_actor_gives_the_same_embeddings(ray_cluster, checkpoint, tmp_path):
+    """data.decode_on=worker on CPU actors: the JPEGs decoded by the actor (libjpeg-turbo, PIL's resampling
+    weights), the PNGs viewed by the tasks, the same embeddings as the tasks' PIL views."""
+    folder = image_catalogue(tmp_path, "mixed", n_real=6, n_generated=5)
+    report = embed_catalogue(embed_cfg(tmp_path, checkpoint, "data.decode_on=worker"), str(folder))
+    assert (report.embedded, report.rejected) == (11, 0)
+    table = stored(str(tmp_path / "index"))
+    emb = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+    assert (emb * reference_embeddings(checkpoint, table)).sum(1).min() >= 0.9999
+
+
 def test_embeddings_equal_the_model_forward_for_folders_and_prepared_data(ray_cluster, checkpoint, tmp_path):
     folder = image_catalogue(tmp_path, "flowers_a", n_real=6, n_generated=5)
     write_cub_tree(tmp_path / "raw_cub", num_classes=3, per_class=3)

@@ -8,17 +8,16 @@ grayscale) and plan its view (``images.plan_worker_view``); the consumer decodes
 device: nvjpeg through torchvision's batched ``decode_jpeg`` on a GPU, libjpeg-turbo on a CPU. It then
 resamples the planned box to img_size with PIL's own filter weights (``resample_boxes``: the same
 pixels as the tasks' PIL views, up to the JPEG decoders' rounding), mirrors where planned and
-normalises. Images the
-tasks decoded themselves (PNG, CMYK, EXIF-rotated JPEGs ...) arrive as uint8 views. Prepare verified
-that every stored image decodes, so a JPEG that the device's decoder refuses is decoded with PIL on
-the worker's CPU instead (counted in ``FALLBACKS``), never dropped.
+normalises. Images the tasks viewed themselves (PNG, CMYK, EXIF-rotated JPEGs ...) arrive as lossless
+PNGs of their views, decoded on the CPU. Prepare verified that every stored image decodes, so a JPEG
+that the device's decoder refuses is decoded with PIL on the worker's CPU instead (counted in
+``FALLBACKS``), never dropped. Only encoded bytes cross Ray's object store, not decoded pixels.
 
 Batch columns of the worker mode (numpy, B rows; schema.BATCH_*):
-    image      uint8 (B, 3, S, S)   views made by the tasks (zeros on rows sent as JPEG)
-    jpeg       object (B,) bytes    the encoded JPEG, b"" on rows the tasks decoded
-    crop       float32 (B, 4)       source box (left, top, right, bottom) of each JPEG, in pixels
-    flip       bool (B,)            mirror the JPEG's view
-    normalise  float32 (B, 6)       the backbone's mean (3) then std (3)
+    encoded    object (B,) bytes    a JPEG as stored, or a PNG of a view the task made
+    crop       float32 (B, 4)       source box (left, top, right, bottom) in the decoded image's pixels
+    flip       bool (B,)            mirror the view
+    view       float32 (B, 7)       the backbone's mean (3), std (3), then img_size
 """
 
 from __future__ import annotations
@@ -33,26 +32,40 @@ from puma.data import schema
 from puma.data.images import decode_image
 
 FALLBACKS = {"jpeg_on_cpu": 0}  # JPEGs the device's decoder refused, decoded with PIL instead
+JPEG_MAGIC = b"\xff\xd8"
 
 
 def batch_images(batch: Mapping[str, np.ndarray], device: torch.device | str) -> torch.Tensor:
     """The batch's normalised float32 images (B, 3, S, S) on ``device``, whichever side decoded them."""
     device = torch.device(device)
-    if schema.BATCH_JPEG not in batch:
+    if schema.BATCH_ENCODED not in batch:
         return torch.as_tensor(np.asarray(batch[schema.BATCH_IMAGE]), device=device)  # (B, 3, S, S)
-    views = torch.as_tensor(np.asarray(batch[schema.BATCH_IMAGE]), device=device)  # (B, 3, S, S) uint8
-    views = views.to(torch.float32)
-    jpegs = [bytes(b) for b in batch[schema.BATCH_JPEG]]
-    rows = [i for i, data in enumerate(jpegs) if data]
-    if rows:
-        boxes = np.asarray(batch[schema.BATCH_CROP], np.float64)[rows]  # (J, 4)
-        flips = np.asarray(batch[schema.BATCH_FLIP], bool)[rows]
-        decoded = decode_jpegs([jpegs[i] for i in rows], device)
-        index = torch.as_tensor(rows, device=device)
-        views.index_copy_(0, index, resample_boxes(decoded, boxes, views.shape[-1], flips))
-    norm = torch.as_tensor(np.asarray(batch[schema.BATCH_NORMALISE], np.float32), device=device)  # (B, 6)
-    mean, std = norm[:, :3, None, None], norm[:, 3:, None, None]
-    return (views / 255.0 - mean) / std
+    view = np.asarray(batch[schema.BATCH_VIEW], np.float32)  # (B, 7)
+    if not len(view):
+        return torch.zeros((0, 3, 0, 0), device=device)
+    datas = [bytes(b) for b in batch[schema.BATCH_ENCODED]]
+    boxes = np.asarray(batch[schema.BATCH_CROP], np.float64)  # (B, 4)
+    flips = np.asarray(batch[schema.BATCH_FLIP], bool)
+    views = resample_boxes(decode_images(datas, device), boxes, int(view[0, 6]), flips)  # (B, 3, S, S)
+    norm = torch.as_tensor(view[:, :6], device=device)
+    return (views / 255.0 - norm[:, :3, None, None]) / norm[:, 3:6, None, None]
+
+
+def decode_images(datas: list[bytes], device: torch.device) -> list[torch.Tensor]:
+    """RGB uint8 (3, H, W) tensors on ``device``, in order: JPEGs with ``decode_jpegs``, the tasks' PNG
+    views on the CPU."""
+    from torchvision.io import ImageReadMode, decode_png
+
+    out: list[torch.Tensor | None] = [None] * len(datas)
+    jpegs = [i for i, d in enumerate(datas) if d[:2] == JPEG_MAGIC]
+    for i, img in zip(jpegs, decode_jpegs([datas[i] for i in jpegs], device) if jpegs else [], strict=True):
+        out[i] = img
+    for i in (i for i, img in enumerate(out) if img is None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchvision >= 0.29 deprecates its decoders
+            png = decode_png(torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        out[i] = png.to(device)
+    return out
 
 
 def decode_jpegs(datas: list[bytes], device: torch.device) -> list[torch.Tensor]:
@@ -94,48 +107,50 @@ def resample_boxes(images: list[torch.Tensor], boxes: np.ndarray, size: int, fli
 def _resample_chunk(images: list[torch.Tensor], boxes: np.ndarray, size: int,
                     flips: np.ndarray) -> torch.Tensor:
     device = images[0].device
-    xs = [_pil_band(img.shape[-1], box[0], box[2], size) for img, box in zip(images, boxes, strict=True)]
-    ys = [_pil_band(img.shape[-2], box[1], box[3], size) for img, box in zip(images, boxes, strict=True)]
-    weights_x, weights_y = _dense(xs, size, device), _dense(ys, size, device)  # (N, S, nx), (N, S, ny)
+    heights = np.asarray([img.shape[-2] for img in images], np.float64)
+    widths = np.asarray([img.shape[-1] for img in images], np.float64)
+    x0, nx, weights_x = _axis_weights(widths, boxes[:, 0], boxes[:, 2], size, device)  # (N, S, max nx)
+    y0, ny, weights_y = _axis_weights(heights, boxes[:, 1], boxes[:, 3], size, device)  # (N, S, max ny)
     regions = torch.zeros((len(images), 3, weights_y.shape[2], weights_x.shape[2]), device=device)
-    for i, (img, (x0, nx, _, _), (y0, ny, _, _)) in enumerate(zip(images, xs, ys, strict=True)):
-        regions[i, :, :ny, :nx] = img[:, y0:y0 + ny, x0:x0 + nx]  # uint8 -> float32
+    for i, img in enumerate(images):
+        regions[i, :, :ny[i], :nx[i]] = img[:, y0[i]:y0[i] + ny[i], x0[i]:x0[i] + nx[i]]  # uint8 -> float32
     rows = (regions @ weights_x.transpose(1, 2)[:, None]).round_().clamp_(0, 255)  # (N, 3, ny, S)
     views = (weights_y[:, None] @ rows).round_().clamp_(0, 255)  # (N, 3, S, S)
     flip = torch.as_tensor(flips, device=device)
     return torch.where(flip[:, None, None, None], views.flip(-1), views)
 
 
-Band = tuple[int, int, np.ndarray, np.ndarray]  # first pixel, pixels spanned, index (out, k), weights
+def _axis_weights(in_sizes: np.ndarray, starts: np.ndarray, stops: np.ndarray, size: int,
+                  device) -> tuple[list[int], list[int], torch.Tensor]:
+    """PIL's precompute_coeffs for one axis of N images: (first input pixel, pixels spanned, weights
+    (N, size, widest span) on ``device``, zero outside each output pixel's support and the image).
 
-
-def _pil_band(in_size: int, start: float, stop: float, out_size: int) -> Band:
-    """PIL's precompute_coeffs for one axis as a band: (first input pixel, pixels spanned, index (out, k)
-    relative to the first pixel, normalised weights (out, k), 0 outside each output pixel's support)."""
-    scale = (stop - start) / out_size
-    filter_scale = max(scale, 1.0)
+    The supports are found on the CPU (N x size values); the weights are computed on the device in
+    float64 from one copy of them, so the CPU cost per batch does not grow with the filter's taps."""
+    scale = (stops - starts) / size  # (N,)
+    filter_scale = np.maximum(scale, 1.0)
     support = 2.0 * filter_scale  # bicubic's support, widened when downscaling
-    centers = start + (np.arange(out_size) + 0.5) * scale
-    lo = np.clip(np.trunc(centers - support + 0.5), 0, in_size).astype(np.int64)
-    hi = np.clip(np.trunc(centers + support + 0.5), 0, in_size).astype(np.int64)
-    taps = np.arange(int((hi - lo).max()))  # (k,)
-    pixels = lo[:, None] + taps[None, :]  # (out, k)
-    x = np.abs((pixels - centers[:, None] + 0.5) / filter_scale)
-    a = -0.5
-    weights = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                       np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
-    weights = np.where(pixels < hi[:, None], weights, 0.0)
-    weights /= np.maximum(weights.sum(1, keepdims=True), 1e-12)
-    first = int(lo.min())
-    return first, int(hi.max()) - first, np.minimum(pixels, hi[:, None] - 1) - first, weights
+    centers = starts[:, None] + (np.arange(size) + 0.5) * scale[:, None]  # (N, S)
+    lo = np.clip(np.trunc(centers - support[:, None] + 0.5), 0, in_sizes[:, None])
+    hi = np.clip(np.trunc(centers + support[:, None] + 0.5), 0, in_sizes[:, None])
+    first = lo.min(1)
+    span = hi.max(1) - first
+    taps = int((hi - lo).max())
+    params = np.stack([centers - first[:, None], lo - first[:, None], hi - first[:, None],
+                       np.broadcast_to(filter_scale[:, None], centers.shape)])  # (4, N, S), relative to first
+    center, low, high, fs = torch.from_numpy(params).to(device)[..., None]  # each (N, S, 1)
+    pixels = low + torch.arange(taps, device=device, dtype=torch.float64)  # (N, S, taps)
+    weights = _bicubic((pixels - center + 0.5) / fs) * (pixels < high)
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+    index = torch.minimum(pixels, high - 1).long()
+    dense = torch.zeros((len(in_sizes), size, int(span.max())), device=device)
+    dense.scatter_add_(2, index, weights.float())
+    return first.astype(int).tolist(), span.astype(int).tolist(), dense
 
 
-def _dense(bands: list[Band], size: int, device) -> torch.Tensor:
-    """(N, size, widest band) weight matrices from bands, built on ``device`` with one scatter."""
-    taps = max(b[2].shape[1] for b in bands)
-    index = np.zeros((len(bands), size, taps), np.int64)
-    weight = np.zeros((len(bands), size, taps), np.float32)
-    for i, (_, _, idx, w) in enumerate(bands):
-        index[i, :, :idx.shape[1]], weight[i, :, :w.shape[1]] = idx, w
-    dense = torch.zeros((len(bands), size, max(b[1] for b in bands)), device=device)
-    return dense.scatter_add_(2, torch.from_numpy(index).to(device), torch.from_numpy(weight).to(device))
+def _bicubic(x: torch.Tensor, a: float = -0.5) -> torch.Tensor:
+    """PIL's bicubic filter (Keys, a = -0.5)."""
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))

@@ -260,20 +260,20 @@ def _view_image(data: bytes, spec: ViewSpec, rng: np.random.Generator | None) ->
 class WorkerPlan:
     """What a decode task hands the consuming worker for one image (data.decode_on=worker).
 
-    A plain JPEG (baseline or progressive, RGB or grayscale, upright) stays encoded: ``box`` is the
-    source region (left, top, right, bottom, in pixels of the full image) to resample to img_size,
+    A plain JPEG (baseline or progressive, RGB or grayscale, upright) stays as stored: ``box`` is the
+    source region (left, top, right, bottom, in pixels of the full image) to resample to img_size and
     ``flip`` whether to mirror it; the worker decodes it on its device (puma/data/device_views.py).
-    Any other image is decoded here: ``view`` is its view as uint8 (3, S, S) and ``data`` is None.
+    Any other image (PNG, CMYK, EXIF-rotated ...) is viewed here and passed as a lossless PNG of its
+    img_size view, with the identity box: the worker's resampling leaves it unchanged.
     """
 
-    data: bytes | None
+    data: bytes
     box: tuple[float, float, float, float]
     flip: bool
-    view: np.ndarray | None
 
 
 def plan_worker_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> WorkerPlan:
-    """Read only the header of a plain JPEG and plan its view; decode any other image now (ImageRejected
+    """Read only the header of a plain JPEG and plan its view; view any other image now (ImageRejected
     as ``make_view``). The train box and flip are drawn from ``rng`` in train_view's order."""
     with _rejects_bad_bytes():
         img = Image.open(io.BytesIO(data))
@@ -282,28 +282,26 @@ def plan_worker_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | Non
     if min(size) < spec.min_size:
         raise ImageRejected("tiny", f"{size[0]}x{size[1]} < {spec.min_size} px")
     if not plain:
-        view = np.asarray(_view_image(data, spec, rng)).transpose(2, 0, 1)  # (3, S, S) uint8
-        return WorkerPlan(None, (0.0, 0.0, 0.0, 0.0), False, np.ascontiguousarray(view))
+        out = io.BytesIO()
+        _view_image(data, spec, rng).save(out, format="PNG", compress_level=1)
+        return WorkerPlan(out.getvalue(), (0.0, 0.0, float(spec.img_size), float(spec.img_size)), False)
     if spec.train:
         rng = rng if rng is not None else np.random.default_rng()
         box = random_resized_crop_box(*size, rng)
-        return WorkerPlan(data, tuple(float(v) for v in box), bool(rng.random() < 0.5), None)
-    return WorkerPlan(data, eval_box(*size, spec.img_size), False, None)
+        return WorkerPlan(data, tuple(float(v) for v in box), bool(rng.random() < 0.5))
+    return WorkerPlan(data, eval_box(*size, spec.img_size), False)
 
 
 def worker_columns(plans: list[WorkerPlan], spec: ViewSpec) -> dict[str, np.ndarray]:
     """The image columns of a data.decode_on=worker batch (puma/data/device_views.py) from its plans."""
-    size, n = spec.img_size, len(plans)
-    image = np.zeros((n, 3, size, size), np.uint8)  # (B, 3, S, S)
-    for i, plan in enumerate(plans):
-        if plan.view is not None:
-            image[i] = plan.view
-    jpeg = np.empty(n, dtype=object)
-    jpeg[:] = [plan.data or b"" for plan in plans]
-    return {schema.BATCH_IMAGE: image, schema.BATCH_JPEG: jpeg,
+    n = len(plans)
+    encoded = np.empty(n, dtype=object)
+    encoded[:] = [plan.data for plan in plans]
+    return {schema.BATCH_ENCODED: encoded,
             schema.BATCH_CROP: np.asarray([plan.box for plan in plans], np.float32).reshape(n, 4),
             schema.BATCH_FLIP: np.asarray([plan.flip for plan in plans], bool),
-            schema.BATCH_NORMALISE: np.tile(np.asarray(spec.mean + spec.std, np.float32), (n, 1))}  # (B, 6)
+            schema.BATCH_VIEW: np.tile(np.asarray((*spec.mean, *spec.std, spec.img_size), np.float32),
+                                       (n, 1))}  # (B, 7)
 
 
 def _orientation(img: Image.Image) -> int:

@@ -80,11 +80,11 @@ ARROW_SCHEMA = pa.schema([
 ])
 
 # columns of the decoded numpy batches the pipeline yields to training and evaluation
-BATCH_IMAGE = "image"  # float32 (B, 3, H, W), normalised (data.decode_on=worker: uint8, device_views.py)
-BATCH_JPEG = "jpeg"  # data.decode_on=worker: encoded JPEGs the consuming worker decodes (b"": decoded)
-BATCH_CROP = "crop"  # data.decode_on=worker: float32 (B, 4) source box of each JPEG's view
-BATCH_FLIP = "flip"  # data.decode_on=worker: bool (B,) mirror the JPEG's view
-BATCH_NORMALISE = "normalise"  # data.decode_on=worker: float32 (B, 6) mean then std
+BATCH_IMAGE = "image"  # float32 (B, 3, H, W), normalised (absent with data.decode_on=worker)
+BATCH_ENCODED = "encoded"  # data.decode_on=worker: bytes the consumer decodes (JPEG as stored, or a PNG view)
+BATCH_CROP = "crop"  # data.decode_on=worker: float32 (B, 4) source box of each image's view
+BATCH_FLIP = "flip"  # data.decode_on=worker: bool (B,) mirror the view
+BATCH_VIEW = "view"  # data.decode_on=worker: float32 (B, 7) mean (3), std (3), img_size
 BATCH_COLUMNS = (BATCH_IMAGE, LABEL, DATASET, ROLE, ITEM_ID)
 
 
