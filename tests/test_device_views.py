@@ -115,6 +115,29 @@ def test_the_task_mode_batch_passes_through_unchanged():
     np.testing.assert_array_equal(got.numpy(), images)
 
 
+def test_prefetched_keeps_the_order_raises_the_threads_error_and_stops_early():
+    import threading
+    import time
+
+    from puma.data.device_views import prefetched
+
+    def batches(n, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise OSError("shard unreadable")
+            yield {schema.BATCH_IMAGE: np.full((1, 3, 2, 2), i, np.float32)}
+
+    got = [int(images[0, 0, 0, 0]) for _, images in prefetched(batches(7), "cpu", depth=2)]
+    assert got == list(range(7))
+    with pytest.raises(OSError, match="shard unreadable"):
+        list(prefetched(batches(5, fail_at=3), "cpu"))
+    pairs = prefetched(batches(1000), "cpu", depth=2)
+    next(pairs)
+    pairs.close()  # leaving the loop early
+    time.sleep(0.3)
+    assert not any(t.name == "puma-batch-images" for t in threading.enumerate())
+
+
 def test_decode_on_is_checked():
     with pytest.raises(ConfigError, match="data.decode_on"):
         load_config(None, ["data.decode_on=gpu"])
@@ -131,3 +154,41 @@ def test_nvjpeg_views_match_the_pil_views(train):
     for photos, (mean, p99) in ((datas, (0.75, 6.0)), (_large(datas), (0.1, 2.0))):
         levels = _levels(photos, train, "cuda")
         assert levels.mean() < mean and np.percentile(levels, 99) <= p99
+
+
+def test_training_with_decoding_on_the_worker_follows_the_tasks_run(ray_cluster, cub_tree, tmp_path):
+    """jobs/train.py's loop with data.decode_on=worker (the JPEGs decoded in the Train worker, the next
+    batches prefetched in a thread) takes the steps of a data.decode_on=tasks run without draft
+    decoding: the same items, crops and flips, pixels within a level or two, so the same losses."""
+    import yaml
+    from tiny import TINY_BACKBONE
+
+    from puma.checkpoint import read_checkpoint
+    from puma.data.prepare import prepare
+    from puma.data.sources import SourceSpec
+    from puma.train.driver import run_training
+
+    cub_tree(tmp_path / "cub", num_classes=4, per_class=6)
+    data = str(tmp_path / "prepared")
+    prepare([SourceSpec("cub", "cub", str(tmp_path / "cub"))], data, log=lambda _: None)
+    histories = {}
+    for name, data_cfg in (("tasks", {"jpeg_draft": False}), ("worker", {"decode_on": "worker"})):
+        cfg_file = tmp_path / f"{name}.yaml"
+        cfg_file.write_text(yaml.safe_dump({
+            "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
+                      "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
+            "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8,
+                     "deterministic": True, **data_cfg},  # rows in the same order in both runs
+            "train": {"epochs": 2, "batch_size": 8, "cpus_per_worker": 0.5, "eval_every": 2,
+                      "eval_before": False, "storage_path": str(tmp_path / "runs"), "run_name": name}}))
+        outcome = run_training(load_config(cfg_file))
+        ckpt = read_checkpoint(outcome.last_checkpoint)
+        assert ckpt.config.data.decode_on == name  # the config saved with the run
+        histories[name] = ckpt.meta["run_state"]["history"]
+    losses = {k: [h["train/loss"] for h in v] for k, v in histories.items()}
+    assert [h["train/steps"] for h in histories["worker"]] == [1, 1]  # 12 training images, batch 8
+    np.testing.assert_allclose(losses["worker"], losses["tasks"], rtol=1e-3)
+    recall = {k: {m: v for m, v in h[-1].items() if m.endswith("/r@1")} for k, h in histories.items()}
+    assert recall["worker"] and recall["worker"].keys() == recall["tasks"].keys()  # evaluated in both modes
+    np.testing.assert_allclose([recall["worker"][m] for m in sorted(recall["tasks"])],
+                               [recall["tasks"][m] for m in sorted(recall["tasks"])], atol=0.05)

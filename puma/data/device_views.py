@@ -22,8 +22,10 @@ Batch columns of the worker mode (numpy, B rows; schema.BATCH_*):
 
 from __future__ import annotations
 
+import queue
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -154,3 +156,44 @@ def _bicubic(x: torch.Tensor, a: float = -0.5) -> torch.Tensor:
     near = ((a + 2) * x - (a + 3)) * x * x + 1
     far = (((x - 5) * x + 8) * x - 4) * a
     return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def prefetched(batches: Iterable[Mapping[str, np.ndarray]], device: torch.device | str,
+               depth: int = 2) -> Iterator[tuple[Mapping[str, np.ndarray], torch.Tensor]]:
+    """(batch, ``batch_images(batch, device)``) for each batch, the next ``depth`` made ahead in a
+    background thread: the worker's decoding (data.decode_on=worker) runs while the training step waits
+    for the GPU instead of after it. Kernels go to the same stream as the step's, so the order on the
+    device is the sequential one. An error in the thread is raised here; leaving the loop early stops it.
+    """
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for batch in batches:
+                if not put((batch, batch_images(batch, device))):
+                    return
+            put(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            put(exc)
+
+    thread = threading.Thread(target=work, name="puma-batch-images", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=10)

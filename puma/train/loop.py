@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -27,7 +28,7 @@ from puma.checkpoint import (
     verify_probe,
 )
 from puma.config import Config, from_dict, to_dict
-from puma.data.device_views import batch_images
+from puma.data.device_views import batch_images, prefetched
 from puma.distributed import sum_over_ranks
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
@@ -224,25 +225,34 @@ def _train_epoch(cfg: Config, module, optimizer, scheduler, scaler, device, epoc
     from puma.data.pipeline import iter_options
 
     bar = console.progress(f"epoch {epoch + 1}/{cfg.train.epochs}", steps, "steps", "img", show=_is_rank0())
-
-    for i, batch in enumerate(_batches("train", per_worker, drop_last=True, **iter_options(cfg, epoch))):
-        if cfg.train.max_steps_per_epoch is not None and i >= cfg.train.max_steps_per_epoch:
-            break
-        images = batch_images(batch, device)  # (B, 3, H, W)
-        labels = torch.as_tensor(batch_labels(batch), device=device, dtype=torch.long)  # (B,)
-        set_step_lr(optimizer, scheduler, state.step, cfg.optim.warmup_steps)
-        out = train_step(module, optimizer, images, labels, cfg.optim.clip_value, cfg.train.precision, scaler)
-        losses.append(out["loss"])
-        for key, value in out.items():
-            parts.setdefault(key, []).append(value)
-        seen += len(labels) * world
-        state.step += 1
-        bar.update(1, items=len(labels) * world, note=f"loss {np.mean(losses[-10:]):.4f}")
+    batches = _batches("train", per_worker, drop_last=True, **iter_options(cfg, epoch))
+    with contextlib.closing(_model_inputs(cfg, batches, device)) as pairs:  # closing: stops a prefetch thread
+        for i, (batch, images) in enumerate(pairs):  # images: (B, 3, H, W) on the device
+            if cfg.train.max_steps_per_epoch is not None and i >= cfg.train.max_steps_per_epoch:
+                break
+            labels = torch.as_tensor(batch_labels(batch), device=device, dtype=torch.long)  # (B,)
+            set_step_lr(optimizer, scheduler, state.step, cfg.optim.warmup_steps)
+            out = train_step(module, optimizer, images, labels, cfg.optim.clip_value, cfg.train.precision,
+                             scaler)
+            losses.append(out["loss"])
+            for key, value in out.items():
+                parts.setdefault(key, []).append(value)
+            seen += len(labels) * world
+            state.step += 1
+            bar.update(1, items=len(labels) * world, note=f"loss {np.mean(losses[-10:]):.4f}")
     bar.close()
     elapsed = time.perf_counter() - start
     return {**{f"train/{k}": float(np.mean(v)) for k, v in parts.items()},
             "train/loss": float(np.mean(losses)) if losses else float("nan"),
             "train/samples_per_s": seen / elapsed if elapsed > 0 else 0.0, "train/steps": len(losses)}
+
+
+def _model_inputs(cfg: Config, batches, device):
+    """(batch, its images on the device) per batch; with data.decode_on=worker the next batches are
+    decoded in a background thread while the current step runs (device_views.prefetched)."""
+    if cfg.data.decode_on == "worker":
+        return prefetched(batches, device)
+    return ((batch, batch_images(batch, device)) for batch in batches)
 
 
 def _evaluate(cfg: Config, embed_fn, device, label: str = "evaluation",
