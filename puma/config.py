@@ -327,7 +327,9 @@ class DataConfig:
     # px) keeps the training crops' resolution. Must be >= the eval view's resize (256 for 224 px)
     max_images_per_class: Optional[int] = None  # demo: per-class cap of cub/flowers/omniglot (null: 12)
     fashion_mnist_per_class: int = 400  # demo: per-class cap of Fashion-MNIST, the large, dominant dataset
-    num_decode_cpus: float = 0.5  # CPUs reserved per Ray Data read/decode task (fractional: beside workers)
+    num_decode_cpus: float = 1.0  # CPUs reserved per Ray Data read/decode task: 1 runs one task per CPU
+    # (0.5 ran two per core and cut rows per core-second 2-4x, bench/results/data.md); below 1 only where
+    # Train workers must leave fractions of a CPU
     rejects_uri: str = ""  # where training lists rejected images (prepare's and decode's); ''
     # = <train.storage_path>/<train.run_name>/data_rejects.jsonl
     min_image_size: int = 16  # images whose shorter side is below this are rejected as tiny

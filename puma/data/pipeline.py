@@ -4,8 +4,9 @@
       -> select rows          pyarrow, vectorised: datasets of data.datasets, the split's label ranges
                               (training: the data.shots_per_class images per class, puma/data/fewshot.py)
       -> shuffle              train only, per epoch: data.shuffle = global | local | none
-      -> decode + view        PIL, num_cpus = data.num_decode_cpus per task (fractional, so Ray
-                              Train workers never starve the decode tasks); rejects leave the stream
+      -> decode + view        PIL, num_cpus = data.num_decode_cpus per task (1: one task per CPU;
+                              oversubscribed cores cost far more than they overlap); rejects leave
+                              the stream
                               (data.decode_on=worker: plain JPEGs' headers only, the consumer decodes
                               them on its device: puma/data/device_views.py)
     numpy batches: image float32 (B, 3, H, W), label int64, dataset, role, item_id
