@@ -162,7 +162,14 @@ def ray_setting(cfg, manifest, train: bool, epochs: int) -> Pass:
     else:  # every row, eval view
         ds = pipeline.eval_dataset(cfg, manifest, "test", MEAN, STD).union(
             pipeline.eval_dataset(cfg, manifest, "train", MEAN, STD))
-    return time_passes(lambda: ds.iter_batches(batch_size=cfg.train.batch_size, batch_format="numpy"), epochs)
+    from puma.data.device_views import batch_images
+
+    def batches():  # the consumer's normalisation (batch_images) counts, as the DataLoader's workers' does
+        for batch in ds.iter_batches(batch_size=cfg.train.batch_size, batch_format="numpy"):
+            batch_images(batch, "cpu")
+            yield batch
+
+    return time_passes(batches, epochs)
 
 
 class FileDataset:

@@ -162,8 +162,9 @@ def test_eval_stream_has_every_test_item_once_with_dataset_labels(ray_cluster, p
                for i, lab, d in zip(got["item_id"], got["label"], got["dataset"], strict=True))
     assert set(got["role"]) == {"query"}
     images = np.stack(got["image"])
-    assert images.shape == (len(test_ids), 3, 32, 32) and images.dtype == np.float32
-    assert np.isfinite(images).all()
+    assert images.shape == (len(test_ids), 3, 32, 32) and images.dtype == np.uint8  # 8-bit through Ray
+    views = np.stack(got["view"])  # how the consumer normalises: the backbone's mean and std, img_size
+    assert np.allclose(views, [*MEAN, *STD, 32])
 
 
 def test_train_stream_global_labels_and_per_epoch_randomness(ray_cluster, prepared):

@@ -1,7 +1,8 @@
 """A decoded batch as the model's input tensor on the consumer's device (torch, no Ray).
 
-With ``data.decode_on: tasks`` (the default) the Ray Data tasks have already decoded, cropped and
-normalised every image: ``batch_images`` only moves ``image`` (float32) to the device.
+With ``data.decode_on: tasks`` (the default) the Ray Data tasks have already decoded and cropped every
+image: ``batch_images`` moves ``image`` (uint8, a quarter of float32's bytes through the object store
+and to the device) and normalises it there with the batch's ``view`` column.
 
 With ``data.decode_on: worker`` the tasks read only the header of a plain JPEG (upright, RGB or
 grayscale) and plan its view (``images.plan_worker_view``); the consumer decodes it here, on its own
@@ -40,15 +41,23 @@ JPEG_MAGIC = b"\xff\xd8"
 def batch_images(batch: Mapping[str, np.ndarray], device: torch.device | str) -> torch.Tensor:
     """The batch's normalised float32 images (B, 3, S, S) on ``device``, whichever side decoded them."""
     device = torch.device(device)
-    if schema.BATCH_ENCODED not in batch:
-        return torch.as_tensor(np.asarray(batch[schema.BATCH_IMAGE]), device=device)  # (B, 3, S, S)
-    view = np.asarray(batch[schema.BATCH_VIEW], np.float32)  # (B, 7)
-    if not len(view):
-        return torch.zeros((0, 3, 0, 0), device=device)
-    datas = [bytes(b) for b in batch[schema.BATCH_ENCODED]]
-    boxes = np.asarray(batch[schema.BATCH_CROP], np.float64)  # (B, 4)
-    flips = np.asarray(batch[schema.BATCH_FLIP], bool)
-    views = resample_boxes(decode_images(datas, device), boxes, int(view[0, 6]), flips)  # (B, 3, S, S)
+    if schema.BATCH_ENCODED in batch:
+        view = np.asarray(batch[schema.BATCH_VIEW], np.float32)  # (B, 7)
+        if not len(view):
+            return torch.zeros((0, 3, 0, 0), device=device)
+        datas = [bytes(b) for b in batch[schema.BATCH_ENCODED]]
+        boxes = np.asarray(batch[schema.BATCH_CROP], np.float64)  # (B, 4)
+        flips = np.asarray(batch[schema.BATCH_FLIP], bool)
+        views = resample_boxes(decode_images(datas, device), boxes, int(view[0, 6]), flips)  # (B, 3, S, S)
+        return _normalise(views, view, device)
+    images = torch.as_tensor(np.asarray(batch[schema.BATCH_IMAGE]), device=device)  # (B, 3, S, S)
+    if images.dtype != torch.uint8:
+        return images  # already normalised (float32 views made elsewhere, e.g. the embedding job's tasks)
+    return _normalise(images.float(), np.asarray(batch[schema.BATCH_VIEW], np.float32), device)
+
+
+def _normalise(views: torch.Tensor, view: np.ndarray, device: torch.device) -> torch.Tensor:
+    """8-bit levels (B, 3, S, S) -> (x / 255 - mean) / std with the batch's view column (B, 7)."""
     norm = torch.as_tensor(view[:, :6], device=device)
     return (views / 255.0 - norm[:, :3, None, None]) / norm[:, 3:6, None, None]
 

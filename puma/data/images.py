@@ -247,6 +247,17 @@ def make_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = Non
     return normalise(_view_image(data, spec, rng), spec.mean, spec.std)
 
 
+def make_view_uint8(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Encoded bytes -> the view as uint8 (3, img_size, img_size), not normalised (the Ray Data tasks' output:
+    a quarter of float32's bytes through the object store; ``device_views.batch_images`` normalises)."""
+    return np.ascontiguousarray(np.asarray(_view_image(data, spec, rng)).transpose(2, 0, 1))
+
+
+def view_column(spec: ViewSpec, rows: int) -> np.ndarray:
+    """The batch column schema.BATCH_VIEW: float32 (rows, 7) mean (3), std (3), img_size."""
+    return np.tile(np.asarray((*spec.mean, *spec.std, spec.img_size), np.float32), (rows, 1))
+
+
 def _view_image(data: bytes, spec: ViewSpec, rng: np.random.Generator | None) -> Image.Image:
     """The train or eval view of ``data`` as an RGB PIL image of img_size x img_size."""
     draft = math.ceil(spec.img_size * 2.6) if spec.train else eval_resize_size(spec.img_size)
@@ -300,8 +311,7 @@ def worker_columns(plans: list[WorkerPlan], spec: ViewSpec) -> dict[str, np.ndar
     return {schema.BATCH_ENCODED: encoded,
             schema.BATCH_CROP: np.asarray([plan.box for plan in plans], np.float32).reshape(n, 4),
             schema.BATCH_FLIP: np.asarray([plan.flip for plan in plans], bool),
-            schema.BATCH_VIEW: np.tile(np.asarray((*spec.mean, *spec.std, spec.img_size), np.float32),
-                                       (n, 1))}  # (B, 7)
+            schema.BATCH_VIEW: view_column(spec, n)}  # (B, 7)
 
 
 def _orientation(img: Image.Image) -> int:

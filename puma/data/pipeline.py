@@ -9,7 +9,8 @@
                               the stream
                               (data.decode_on=worker: plain JPEGs' headers only, the consumer decodes
                               them on its device: puma/data/device_views.py)
-    numpy batches: image float32 (B, 3, H, W), label int64, dataset, role, item_id
+    numpy batches: image uint8 (B, 3, H, W) and view (the normalisation), label int64, dataset, role,
+                   item_id
                    (data.decode_on=worker: the columns of puma/data/device_views.py; consumers call
                    device_views.batch_images either way)
 
@@ -51,8 +52,9 @@ from puma.data.images import (
     ImageRejected,
     ViewSpec,
     item_rng,
-    make_view,
+    make_view_uint8,
     plan_worker_view,
+    view_column,
     view_spec,
     worker_columns,
 )
@@ -256,8 +258,8 @@ def _decode_batch(batch: dict[str, np.ndarray], view: ViewSpec, lookup: Mapping[
     for i, (item_id, data) in enumerate(zip(batch[schema.ITEM_ID], batch[schema.IMAGE], strict=True)):
         rng = item_rng(view.seed, epoch, str(item_id)) if view.train else None
         try:
-            make = plan_worker_view if view.on_worker else make_view
-            outputs.append(make(bytes(data), view, rng))  # float32 (3, S, S) | WorkerPlan
+            make = plan_worker_view if view.on_worker else make_view_uint8
+            outputs.append(make(bytes(data), view, rng))  # uint8 (3, S, S) | WorkerPlan
             keep.append(i)
         except ImageRejected as exc:
             rejects.append(Reject(str(item_id), str(batch[schema.DATASET][i]), exc.reason, "decode",
@@ -270,7 +272,8 @@ def _decode_batch(batch: dict[str, np.ndarray], view: ViewSpec, lookup: Mapping[
     datasets = np.asarray(batch[schema.DATASET]).astype(str)[idx]
     if lookup is not None:
         labels = _global_labels(datasets, labels, lookup)
-    images = worker_columns(outputs, view) if view.on_worker else {schema.BATCH_IMAGE: _stack(outputs, view)}
+    images = worker_columns(outputs, view) if view.on_worker else \
+        {schema.BATCH_IMAGE: _stack(outputs, view), schema.BATCH_VIEW: view_column(view, len(outputs))}
     return {**images, schema.LABEL: labels, schema.DATASET: datasets,
             schema.ROLE: np.asarray(batch[schema.ROLE]).astype(str)[idx],
             schema.ITEM_ID: np.asarray(batch[schema.ITEM_ID]).astype(str)[idx]}
@@ -278,7 +281,7 @@ def _decode_batch(batch: dict[str, np.ndarray], view: ViewSpec, lookup: Mapping[
 
 def _stack(views: list[np.ndarray], view: ViewSpec) -> np.ndarray:
     size = view.img_size
-    return np.stack(views) if views else np.zeros((0, 3, size, size), np.float32)  # (B, 3, S, S)
+    return np.stack(views) if views else np.zeros((0, 3, size, size), np.uint8)  # (B, 3, S, S)
 
 
 def _decode(cfg, manifest: Manifest, rows: ray.data.Dataset, view: ViewSpec,

@@ -80,12 +80,12 @@ ARROW_SCHEMA = pa.schema([
 ])
 
 # columns of the decoded numpy batches the pipeline yields to training and evaluation
-BATCH_IMAGE = "image"  # float32 (B, 3, H, W), normalised (absent with data.decode_on=worker)
+BATCH_IMAGE = "image"  # uint8 (B, 3, H, W), device_views.batch_images normalises (absent: decode_on=worker)
 BATCH_ENCODED = "encoded"  # data.decode_on=worker: bytes the consumer decodes (JPEG as stored, or a PNG view)
 BATCH_CROP = "crop"  # data.decode_on=worker: float32 (B, 4) source box of each image's view
 BATCH_FLIP = "flip"  # data.decode_on=worker: bool (B,) mirror the view
-BATCH_VIEW = "view"  # data.decode_on=worker: float32 (B, 7) mean (3), std (3), img_size
-BATCH_COLUMNS = (BATCH_IMAGE, LABEL, DATASET, ROLE, ITEM_ID)
+BATCH_VIEW = "view"  # float32 (B, 7) mean (3), std (3), img_size: how batch_images normalises
+BATCH_COLUMNS = (BATCH_IMAGE, BATCH_VIEW, LABEL, DATASET, ROLE, ITEM_ID)
 
 
 class SchemaError(UserError, ValueError):
