@@ -147,11 +147,34 @@ def stop_node(proc: subprocess.Popen | int, sig: int = signal.SIGKILL, timeout: 
 
 
 def kill_node(proc: subprocess.Popen) -> list[int]:
-    """SIGKILL a node: its whole process group at once (raylet, workers), as a lost machine; their pids."""
-    group = [p for p in _pids() if _pgid(p) == proc.pid]
+    """SIGKILL a node as a lost machine: its process group (raylet, workers) and every process below it
+    that left the group (a worker in its own session would otherwise train on until it noticed its
+    raylet was gone, and a rank could finish an epoch the test means to interrupt); their pids."""
+    doomed = {p for p in _pids() if _pgid(p) == proc.pid} | _descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=60)
-    return group
+    return sorted(doomed)
+
+
+def _descendants(root: int) -> set[int]:
+    """PIDs whose parent chain reaches ``root`` (from /proc)."""
+    parents = {}
+    for pid in _pids():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in found}
+        found |= frontier
+    return found
 
 
 def _pids() -> list[int]:
