@@ -187,6 +187,23 @@ def test_train_stream_global_labels_and_per_epoch_randomness(ray_cluster, prepar
     assert all(np.array_equal(first[i], img) for i, img in zip(again["item_id"], again["image"], strict=True))
 
 
+def test_reads_have_two_blocks_per_decode_slot_and_per_shard(ray_cluster, prepared):
+    """Each block is a decode task's input, and Ray's shuffle makes an object per (input block, output block)
+    pair and keeps the input's block count: reads are split into two blocks per decode task the cluster runs
+    at once (at least two per shard), not into Ray's ~1 MB blocks (49 x 49 shuffle objects for 500 rows of
+    1,000 px photos)."""
+    root, manifest, rows = prepared
+    shards = len(manifest.shard_uris("train"))
+    assert shards >= 2
+    for decode_cpus, want in ((2.0, max(2 * shards, 4)), (0.25, max(2 * shards, 32))):  # 4 logical CPUs here
+        cfg = _cfg(root, f"data.num_decode_cpus={decode_cpus}")
+        assert pipeline.read_blocks(cfg, shards) == want
+    shuffled = pipeline.read_rows(cfg, manifest, "train").random_shuffle(seed=1).materialize()
+    train_rows = sum(1 for r in rows.values() if r["split"] == "train")
+    assert shuffled.count() == train_rows
+    assert shuffled.num_blocks() == min(want, train_rows)  # no empty blocks: a block holds a row at least
+
+
 def _images_by_item(ds, epochs: int = 1) -> list[dict[str, np.ndarray]]:
     """Per epoch, item id -> its model input (batch_images on the CPU, whichever side decoded)."""
     from puma.data.device_views import batch_images

@@ -115,6 +115,19 @@ def test_the_task_mode_batch_passes_through_unchanged():
     np.testing.assert_array_equal(got.numpy(), images)
 
 
+def test_eight_bit_views_are_normalised_per_row_and_left_untouched():
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (3, 3, 8, 8), dtype=np.uint8)
+    view = np.array([[0.485, 0.456, 0.406, 0.229, 0.224, 0.225, 8], [0.5] * 6 + [8], [0.1, 0.2, 0.3, 1, 2, 3, 8]],
+                    np.float32)  # each row its own mean and std
+    kept = images.copy()
+    got = batch_images({schema.BATCH_IMAGE: images, schema.BATCH_VIEW: view}, "cpu")
+    want = (images / 255.0 - view[:, :3, None, None]) / view[:, 3:6, None, None]
+    assert got.dtype == torch.float32 and got.shape == images.shape
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-6)
+    np.testing.assert_array_equal(images, kept)  # the batch's own array is not written to
+
+
 def test_prefetched_keeps_the_order_raises_the_threads_error_and_stops_early():
     import threading
     import time

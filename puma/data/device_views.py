@@ -53,13 +53,27 @@ def batch_images(batch: Mapping[str, np.ndarray], device: torch.device | str) ->
     images = torch.as_tensor(np.asarray(batch[schema.BATCH_IMAGE]), device=device)  # (B, 3, S, S)
     if images.dtype != torch.uint8:
         return images  # already normalised (float32 views made elsewhere, e.g. the embedding job's tasks)
-    return _normalise(images.float(), np.asarray(batch[schema.BATCH_VIEW], np.float32), device)
+    return _normalise(images, np.asarray(batch[schema.BATCH_VIEW], np.float32), device)
 
 
 def _normalise(views: torch.Tensor, view: np.ndarray, device: torch.device) -> torch.Tensor:
-    """8-bit levels (B, 3, S, S) -> (x / 255 - mean) / std with the batch's view column (B, 7)."""
-    norm = torch.as_tensor(view[:, :6], device=device)
-    return (views / 255.0 - norm[:, :3, None, None]) / norm[:, 3:6, None, None]
+    """8-bit levels (B, 3, S, S), uint8 or float -> (x / 255 - mean) / std with the batch's view column
+    (B, 7), as one multiply-add: x * 1 / (255 std) - mean / std.
+
+    On the CPU in numpy, written in place: torch's uint8 -> float conversion and four elementwise passes
+    cost 7x numpy's CPU time here (134 vs 18 ms per 64 x 224 px batch on one core; with two intra-op threads
+    209 ms of CPU), which made the consumer, not the decode tasks, the pipeline's largest cost per row.
+    """
+    mean, std = view[:, :3].astype(np.float64), view[:, 3:6].astype(np.float64)
+    scale = (1.0 / (255.0 * std)).astype(np.float32)[:, :, None, None]  # (B, 3, 1, 1)
+    shift = (-mean / std).astype(np.float32)[:, :, None, None]
+    if device.type == "cpu":
+        out = views.numpy().astype(np.float32)  # a fresh copy: the batch's arrays stay untouched
+        out *= scale
+        out += shift
+        return torch.from_numpy(out)
+    out = views.float() if views.dtype != torch.float32 else views.clone()
+    return out.mul_(torch.as_tensor(scale, device=device)).add_(torch.as_tensor(shift, device=device))
 
 
 def decode_images(datas: list[bytes], device: torch.device) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -126,7 +127,8 @@ def read_rows(cfg, manifest: Manifest, split: str) -> ray.data.Dataset:
     if not paths:
         raise DataNotPreparedError(f"{manifest.uri} has no {stored} shards; re-run jobs/prepare_data.py")
     _check_shard_schema(paths[0])
-    ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri)).select_columns(READ_COLUMNS)
+    ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri), read_blocks(cfg, len(paths)))
+    ds = ds.select_columns(READ_COLUMNS)
     role = schema.QUERY if split == schema.VAL else None
     shots = _shots(cfg, manifest, ranges) if split == schema.TRAIN else None
     select = functools.partial(_select_rows, ranges=ranges, role=role,
@@ -164,7 +166,21 @@ def count_rows(cfg, manifest: Manifest, split: str) -> int:
     return total
 
 
-def _read_parquet(paths: list[str], filesystem) -> ray.data.Dataset:
+def read_blocks(cfg, shards: int) -> int:
+    """Blocks to read ``shards`` Parquet files into: two per decode task the cluster runs at once, and at
+    least two per shard (a shard holds up to 256 MiB of images: blocks stay within Ray's 128 MiB target).
+
+    Left to itself Ray splits the read into blocks of about 1 MB: 5-10 photos of 1,000 px, 50 of the CUB
+    sample. Each block is a decode task's input, so the tasks' fixed costs were paid every few rows, and
+    the training stream's shuffle, which makes an object per (input block, output block) pair and keeps
+    the input's block count, made 49 x 49 objects for 500 rows of large photos and cost more CPU than
+    decoding them.
+    """
+    slots = float(ray.cluster_resources().get("CPU", 1.0)) / cfg.data.num_decode_cpus
+    return max(2 * shards, 2 * math.ceil(slots))
+
+
+def _read_parquet(paths: list[str], filesystem, num_blocks: int | None = None) -> ray.data.Dataset:
     """read_parquet over the manifest's explicit file list, through Ray's V1 Parquet reader.
 
     Ray 2.60's DataSourceV2 reader adds a ListFiles stage that cost 3-5 s per execution (per epoch)
@@ -174,7 +190,7 @@ def _read_parquet(paths: list[str], filesystem) -> ray.data.Dataset:
     previous = ctx.use_datasource_v2
     ctx.use_datasource_v2 = False
     try:
-        return ray.data.read_parquet(paths, filesystem=filesystem)
+        return ray.data.read_parquet(paths, filesystem=filesystem, override_num_blocks=num_blocks)
     finally:
         ctx.use_datasource_v2 = previous
 
