@@ -118,8 +118,8 @@ def test_the_task_mode_batch_passes_through_unchanged():
 def test_eight_bit_views_are_normalised_per_row_and_left_untouched():
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (3, 3, 8, 8), dtype=np.uint8)
-    view = np.array([[0.485, 0.456, 0.406, 0.229, 0.224, 0.225, 8], [0.5] * 6 + [8], [0.1, 0.2, 0.3, 1, 2, 3, 8]],
-                    np.float32)  # each row its own mean and std
+    view = np.array([[0.485, 0.456, 0.406, 0.229, 0.224, 0.225, 8], [0.5] * 6 + [8],
+                     [0.1, 0.2, 0.3, 1, 2, 3, 8]], np.float32)  # each row its own mean and std
     kept = images.copy()
     got = batch_images({schema.BATCH_IMAGE: images, schema.BATCH_VIEW: view}, "cpu")
     want = (images / 255.0 - view[:, :3, None, None]) / view[:, 3:6, None, None]
