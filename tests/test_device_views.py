@@ -22,6 +22,7 @@ from puma.data.images import (
     ViewSpec,
     item_rng,
     make_view,
+    normalise,
     plan_worker_view,
     worker_columns,
 )
@@ -122,9 +123,10 @@ def test_eight_bit_views_are_normalised_per_row_and_left_untouched():
                      [0.1, 0.2, 0.3, 1, 2, 3, 8]], np.float32)  # each row its own mean and std
     kept = images.copy()
     got = batch_images({schema.BATCH_IMAGE: images, schema.BATCH_VIEW: view}, "cpu")
-    want = (images / 255.0 - view[:, :3, None, None]) / view[:, 3:6, None, None]
     assert got.dtype == torch.float32 and got.shape == images.shape
-    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-6)
+    for row, levels in enumerate(images):  # bit for bit the DataLoader-style float32 view (images.normalise)
+        want = normalise(levels.transpose(1, 2, 0), view[row, :3], view[row, 3:6])
+        np.testing.assert_array_equal(got[row].numpy(), want)
     np.testing.assert_array_equal(images, kept)  # the batch's own array is not written to
 
 
