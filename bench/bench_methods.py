@@ -44,7 +44,9 @@ METHODS: dict[str, list[str]] = {
     ZERO_SHOT: [],
     "linear": ["model.method=linear"],
     "mlp3": ["model.method=mlp3", "model.head.init=random"],  # PCA init is for the linear head
-    "static_adapter": ["model.method=puma", "model.adapter.keep_prob=1.0"],  # PUMA with p = 1
+    # Table 3's "Stat.": PUMA's adapters with p = 1 and no prompt pool (our adaptformer builds the same
+    # model; the paper's AdaptFormer adapts the MLP only)
+    "static_adapter": ["model.method=puma", "model.adapter.keep_prob=1.0", "model.prompt_pool.enabled=false"],
     "vpt": ["model.method=vpt_deep"],
     "lora": ["model.method=lora"],
     "adaptformer": ["model.method=adaptformer"],  # static adapters, no prompt pool
@@ -54,8 +56,11 @@ METHODS: dict[str, list[str]] = {
 EXTRA: dict[str, list[str]] = {  # the sibling methods, not in the default comparison; run them by name
     "vptsp_g": ["model.method=vptsp_g", "loss.name=proxy_anchor", "loss.proxy_init=random"],
     "udml_ss": ["model.method=udml_ss", "model.head.init=random", "loss.proxy_init=random"],
+    "puma_p1": ["model.method=puma", "model.adapter.keep_prob=1.0"],  # PUMA's ablation of p: pool kept
+    "stochastic_adapter": ["model.method=puma", "model.prompt_pool.enabled=false"],  # Table 3 "Stoc."
 }
 KEYS = ("r@1", "map@r")
+COMMIT = "_commit"  # per run: the code it trained with (a table may join runs of several commits)
 
 
 def method_lrs() -> dict[str, float]:
@@ -102,7 +107,16 @@ def run_one(name: str, seed: int, out: Path, args: argparse.Namespace, need_zero
     metrics["bench/seconds"] = time.perf_counter() - start
     metrics["bench/trainable"] = trainable_parameters(cfg)
     metrics["bench/lr"] = cfg.optim.lr
+    metrics[COMMIT] = _commit()
     return metrics
+
+
+def _commit() -> str:
+    """The checkout's short commit, "+dirty" when it had uncommitted changes."""
+    from bench.record import _git
+
+    dirty = "+dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    return _git("rev-parse", "--short=7", "HEAD") + dirty
 
 
 def result_path(out: Path, name: str, seed: int) -> Path:
@@ -126,8 +140,9 @@ def summarise(results: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, f
     out: dict[str, dict] = {}
     for name, runs in results.items():
         good = [r for r in runs if "error" not in r]
-        keys = sorted({k for r in good for k in r if not k.startswith(("before/", "best/"))})
+        keys = sorted({k for r in good for k in r if not k.startswith(("before/", "best/", "_"))})
         out[name] = {k: _stats([r[k] for r in good if k in r]) for k in keys}
+        out[name][COMMIT] = sorted({r.get(COMMIT, "?") for r in good})
         out[name]["errors"] = [r["error"] for r in runs if "error" in r]
     return out
 
@@ -152,11 +167,12 @@ def table(summary: dict[str, dict], names: list[str]) -> str:
                                     ("seconds", "bench/seconds", "{:.0f}", True)):
         lines.append(f"| {label} | " + " | ".join(_cell(summary[m], key, fmt, spread) for m in cols) + " |")
     lines.append("| seeds | " + " | ".join(str(_n(summary[m])) for m in cols) + " |")
+    lines.append("| commit | " + " | ".join(", ".join(summary[m].get(COMMIT, [])) for m in cols) + " |")
     return "\n".join(lines)
 
 
 def _n(entry: dict) -> int:
-    return max((v["n"] for k, v in entry.items() if k != "errors"), default=0)
+    return max((v["n"] for k, v in entry.items() if k not in ("errors", COMMIT)), default=0)
 
 
 def _cell(entry: dict, key: str, fmt: str = "{:.4f}", spread: bool = True) -> str:
