@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.record import record  # noqa: E402
+from bench.record import commit, record  # noqa: E402
 from puma import storage  # noqa: E402
 from puma.config import Config  # noqa: E402
 from puma.methods import load_config  # noqa: E402
@@ -112,11 +112,9 @@ def run_one(name: str, seed: int, out: Path, args: argparse.Namespace, need_zero
 
 
 def _commit() -> str:
-    """The checkout's short commit, "+dirty" when it had uncommitted changes."""
-    from bench.record import _git
-
-    dirty = "+dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
-    return _git("rev-parse", "--short=7", "HEAD") + dirty
+    """The checkout's short commit (bench.record.commit), "+dirty" when it had uncommitted changes."""
+    state = commit()
+    return state["commit"][:7] + ("+dirty" if state["dirty"] else "")
 
 
 def result_path(out: Path, name: str, seed: int) -> Path:
@@ -227,7 +225,8 @@ def _run_all(args: argparse.Namespace, out: Path) -> None:
                 metrics = {"error": f"{type(exc).__name__}: {exc}"}
             if need_zero_shot and "error" not in metrics:
                 zero = {k[len("before/"):]: v for k, v in metrics.items() if k.startswith("before/")}
-                _store(out / ZERO_SHOT / "metrics.json", {**zero, "bench/trainable": 0})
+                zero |= {"bench/trainable": 0, COMMIT: metrics[COMMIT]}
+                _store(out / ZERO_SHOT / "metrics.json", zero)
             _store(path, metrics)
             harmonic = metrics.get("harmonic/r@1", float("nan"))
             print(f"[bench] {name} seed {seed}: harmonic r@1 {harmonic:.4f}", flush=True)

@@ -74,15 +74,21 @@ def _nvidia_driver() -> str:
         return ""
 
 
+def commit() -> dict[str, Any]:
+    """The checkout's commit and whether tracked files had uncommitted changes (PUMA_COMMIT and
+    PUMA_DIRTY stand in where there is no .git, e.g. on a lent GPU machine)."""
+    return {"commit": os.environ.get("PUMA_COMMIT") or _git("rev-parse", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")
+                          or os.environ.get("PUMA_DIRTY"))}
+
+
 def environment() -> dict[str, Any]:
     """Machine, device, commit, date and command line of this run."""
     from puma import library_versions
 
     return {"machine": {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "memory_gib": _memory_gib(),
                         "platform": platform.platform(), "python": platform.python_version()},
-            "device": device(), "commit": os.environ.get("PUMA_COMMIT") or _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")
-                          or os.environ.get("PUMA_DIRTY")),
+            "device": device(), **commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "libraries": library_versions(LIBRARIES)}
