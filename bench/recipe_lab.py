@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampler", default="uniform", choices=["uniform", "balanced"])
     ap.add_argument("--m", type=int, default=4, help="images per class (balanced sampler)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pool-lr-mult", type=float, default=0.0,
+                    help="probe: the prompt pool in its own group at lr x this (0: with the modules)")
+    ap.add_argument("--prompt-init-scale", type=float, default=1.0,
+                    help="probe: multiply the initial prompts P by this (0: prompts start at zero)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -196,6 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[lab] {args.name}: harmonic r@1 {final['harmonic/r@1']:.4f} (zero-shot "
           f"{result['zero_shot']['harmonic/r@1']:.4f}) in {result['seconds']:.0f}s")
     return 0
+
+
+def scale_prompts(model, scale: float) -> None:
+    """Probe: the initial prompts P x ``scale`` (1: unchanged)."""
+    if scale != 1.0 and getattr(model, "prompt_pool", None) is not None:
+        with torch.no_grad():
+            model.prompt_pool.prompts.mul_(scale)
+
+
+def split_pool_group(optimizer, model, cfg_optim, mult: float) -> None:
+    """Probe: move the prompt pool out of the "modules" group into its own at lr x ``mult`` (0: no)."""
+    if not mult or getattr(model, "prompt_pool", None) is None:
+        return
+    pool = list(model.prompt_pool.parameters())
+    ids = {id(p) for p in pool}
+    modules = next(g for g in optimizer.param_groups if g["name"] == "modules")
+    modules["params"] = [p for p in modules["params"] if id(p) not in ids]
+    optimizer.add_param_group({"name": "pool", "params": pool, "lr": cfg_optim.lr * mult, "lr_mult": mult,
+                               "weight_decay": cfg_optim.weight_decay})
 
 
 def run(args) -> dict:
@@ -234,7 +257,9 @@ def run(args) -> dict:
     init_stats = evaluate(model, ev_images, ev)
     print(f"[lab] zero-shot {zs['harmonic/r@1']:.4f}, "
           f"step 0 with head {init_stats['harmonic/r@1']:.4f}", flush=True)
+    scale_prompts(model, args.prompt_init_scale)
     optimizer = build_optimizer(trainable_parameter_groups(model), module.loss, cfg.optim)
+    split_pool_group(optimizer, model, cfg.optim, args.pool_lr_mult)
     scheduler = build_scheduler(optimizer, cfg.optim)
     probe = Probe(model)
     spec = ViewSpec(size, mean, std, train=True)
