@@ -97,6 +97,9 @@ class AdapterConfig:
                    f"model.adapter.blocks={self.blocks!r}: expected a list of block indices >= 0")
 
 
+PROMPT_POOL_INITS = ("random", "data")
+
+
 @dataclass
 class PromptPoolConfig:
     """Conditional prompt pool (paper Eq. 6-10): M prompts of Np tokens, keys and attention."""
@@ -105,8 +108,13 @@ class PromptPoolConfig:
     pool_size: int = 20  # M, prompts in the pool
     length: int = 8  # Np, tokens per prompt
     ortho_weight: float = 1e-6  # lambda of the orthogonality penalty on keys, attention and prompts
+    # random: the paper's (orthogonal keys; queries as they are). data: queries centred on a learned
+    # centre c and keys on their principal directions, both from the training images before the first
+    # step (docs/recipe.md, "The prompt pool at this budget"); adds D parameters (c)
+    init: str = "random"
 
     def __post_init__(self) -> None:
+        _check_choice("model.prompt_pool.init", self.init, PROMPT_POOL_INITS)
         _check_range("model.prompt_pool.pool_size", self.pool_size, 1, 4096)
         _check_range("model.prompt_pool.length", self.length, 1, 1024)
         _check(self.ortho_weight >= 0, "model.prompt_pool.ortho_weight must be >= 0")

@@ -1,5 +1,5 @@
-"""The data-driven start: PCA head, centroid proxies, the same on two workers as on one, and the
-methods that refuse it."""
+"""The data-driven start: PCA head, centroid proxies, the prompt pool's centre and keys, the same on
+two workers as on one, and the methods that refuse it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from puma.config import ConfigError, LossConfig
 from puma.losses import build_loss
 from puma.methods import build_model, load_config
 from puma.models.head import EmbeddingHead, FeatureMoments
-from puma.train.data_init import init_from_data
+from puma.models.prompt_pool import PromptPool
+from puma.models.puma_model import patch_query
+from puma.models.trainable import count_trainable
+from puma.train.data_init import init_from_data, init_pool_from_data, needs_data_init
 
 
 def _features(n: int = 400, dim: int = 12, seed: int = 0) -> torch.Tensor:
@@ -91,6 +94,58 @@ def test_init_from_data_starts_the_loss_at_the_class_centroids():
     assert loss(emb, labels).item() < random_start
 
 
+def _nearly_parallel_queries(n: int = 300, dim: int = 32, seed: int = 0) -> torch.Tensor:
+    """Queries as the backbone's patch queries are: a large shared part plus small image-specific ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return 10.0 * torch.randn(dim, generator=gen) + torch.randn(n, dim, generator=gen) @ torch.randn(dim, dim,
+                                                                                                   generator=gen)
+
+
+def test_centred_pool_from_the_queries_gives_each_image_its_own_weights():
+    queries = _nearly_parallel_queries()
+    torch.manual_seed(0)
+    paper = PromptPool(32, pool_size=6, length=2)  # random keys, raw queries
+    spread = paper.weights(queries).std(0).mean()  # over images: 0.08, nearly the same alpha for each
+    torch.manual_seed(0)
+    pool = PromptPool(32, pool_size=6, length=2, centred=True)
+    assert torch.equal(pool.centre, torch.zeros(32))  # the paper's alpha until initialised
+    torch.testing.assert_close(pool.weights(queries), paper.weights(queries))
+    moments = FeatureMoments(32)
+    moments.add(queries)
+    pool.init_from_queries(*moments.mean_cov())
+    torch.testing.assert_close(pool.centre.detach().double(), queries.double().mean(0), atol=1e-5, rtol=0)
+    keys = pool.keys.detach().double()  # (6, 32): orthonormal, the top principal directions in order
+    torch.testing.assert_close(keys @ keys.T, torch.eye(6, dtype=torch.float64), atol=1e-6, rtol=0)
+    variance = ((queries.double() - queries.double().mean(0)) @ keys.T).var(0)
+    eigvals = torch.linalg.eigvalsh(torch.cov(queries.double().T, correction=0)).flip(0)
+    torch.testing.assert_close(variance, eigvals[:6], rtol=1e-2, atol=0)  # float32 keys
+    assert pool.weights(queries).std(0).mean() > 3 * spread  # 0.28: alpha differs from image to image
+    assert pool.ortho_loss().item() == pytest.approx(paper.ortho_loss().item(), abs=1e-5)  # still orthonormal
+    with pytest.raises(ValueError, match="centred=True"):
+        paper.init_from_queries(*moments.mean_cov())
+
+
+def test_init_pool_from_data_centres_on_the_mean_patch_query_and_adds_one_vector():
+    torch.manual_seed(0)
+    paper = build_model(tiny_model_config())
+    model = build_model(tiny_model_config(prompt_pool={"init": "data"}))
+    assert count_trainable(model) == count_trainable(paper) + model.num_features  # the centre c
+    images = torch.randn(24, 3, 32, 32)
+    batches = [{"image": images[i:i + 8].numpy()} for i in range(0, 24, 8)]
+    assert init_pool_from_data(model, batches, torch.device("cpu")) == {"init/pool_queries": 24.0}
+    with torch.no_grad():
+        mean_query = patch_query(model.backbone.patch_embed(images)).mean(0)
+    torch.testing.assert_close(model.prompt_pool.centre.detach(), mean_query, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="centred prompt pool"):
+        init_pool_from_data(paper, batches, torch.device("cpu"))
+    cfg = load_config(None, ["model.prompt_pool.init=data"])
+    assert needs_data_init(cfg)
+    assert not needs_data_init(load_config(None, ["model.prompt_pool.init=data",
+                                                  "model.prompt_pool.enabled=false"]))
+    with pytest.raises(ConfigError, match="model.prompt_pool.init"):
+        load_config(None, ["model.prompt_pool.init=pca"])
+
+
 def test_loss_and_methods_that_cannot_take_a_data_start_refuse_it_at_load():
     with pytest.raises(ConfigError, match="one learned proxy per class"):
         LossConfig(name="softtriple", proxy_init="centroids")
@@ -104,8 +159,9 @@ def test_loss_and_methods_that_cannot_take_a_data_start_refuse_it_at_load():
 
 def test_two_worker_run_starts_from_the_same_head_and_proxies_as_one_process(ray_cluster, tiny_data,  # noqa: F811
                                                                             tmp_path):
-    """run_training, 2 workers, no step: the checkpoint holds the head and proxies of the data init,
-    equal to the single-process init over all training images (statistics summed over ranks)."""
+    """run_training, 2 workers, no step: the checkpoint holds the prompt pool, head and proxies of the
+    data init, equal to the single-process init over all training images (statistics summed over
+    ranks)."""
     from puma.data.images import eval_view_spec, make_view
     from puma.data.manifest import load_manifest
     from puma.data.splits import global_label_map
@@ -114,6 +170,7 @@ def test_two_worker_run_starts_from_the_same_head_and_proxies_as_one_process(ray
     path = job_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs=1)
     data = yaml.safe_load(path.read_text())
     data["model"]["head"]["init"] = "pca"
+    data["model"].setdefault("prompt_pool", {})["init"] = "data"
     data["loss"] = {"proxy_init": "centroids"}
     data["train"].update(num_workers=2, cpus_per_worker=0.25, max_steps_per_epoch=0, eval_every=0)
     path.write_text(yaml.safe_dump(data))
@@ -128,8 +185,9 @@ def test_two_worker_run_starts_from_the_same_head_and_proxies_as_one_process(ray
     rows = _train_rows(tiny_data, manifest, label_map)
     spec = eval_view_spec(cfg)
     batches = [{"image": np.stack([make_view(b, spec) for b in rows["image"]]), "label": rows["label"]}]
+    init_pool_from_data(model, batches, torch.device("cpu"))
     init_from_data(model, loss, batches, torch.device("cpu"), lambda b: b["label"], head=True, proxies=True)
-    for key in ("head.proj.weight", "head.proj.bias"):
+    for key in ("prompt_pool.centre", "prompt_pool.keys", "head.proj.weight", "head.proj.bias"):
         torch.testing.assert_close(ckpt.model[key], model.state_dict()[key], atol=1e-4, rtol=1e-4, msg=key)
     torch.testing.assert_close(ckpt.loss["loss.W"], loss.state_dict()["loss.W"], atol=1e-4, rtol=1e-4)
 

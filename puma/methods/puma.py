@@ -22,7 +22,8 @@ def build(cfg: ModelConfig) -> PumaModel:
         inject_adapters(backbone, cfg.adapter)
     pool = None
     if cfg.prompt_pool.enabled:
-        pool = PromptPool(backbone.embed_dim, cfg.prompt_pool.pool_size, cfg.prompt_pool.length)
+        pool = PromptPool(backbone.embed_dim, cfg.prompt_pool.pool_size, cfg.prompt_pool.length,
+                          centred=cfg.prompt_pool.init == "data")
     head = EmbeddingHead(backbone.embed_dim, cfg.head.embed_dim)
     return PumaModel(backbone, head, pool, ortho_weight=cfg.prompt_pool.ortho_weight)
 

@@ -1,11 +1,15 @@
-"""Data-driven initialisation before the first step: the PCA head and class-centroid proxies.
+"""Data-driven initialisation before the first step: the PCA head, class-centroid proxies and the
+prompt pool's query centre and keys.
 
 One pass over the training images in the eval view with the model as built (adapters are no-ops at
 init, prompts as initialised): the features' mean and covariance give the head's PCA projection
 (``model.head.init=pca``), then each class's mean embedding gives its proxy
-(``loss.proxy_init=centroids``). Statistics are sums, so workers add theirs with ``reduce`` (an
-all-reduce in place; identity on one worker) and every rank ends with the same head and proxies.
-No Ray here; the loop passes the batches and the reduction.
+(``loss.proxy_init=centroids``). The prompt pool's centre and keys (``model.prompt_pool.init=data``,
+PromptPool.init_from_queries) come from the patch queries' mean and covariance in a pass of their own
+before that one (:func:`init_pool_from_data`), so the head and proxies see the pool they will train
+with. Statistics are sums, so
+workers add theirs with ``reduce`` (an all-reduce in place; identity on one worker) and every rank
+ends with the same head, proxies and pool. No Ray here; the loop passes the batches and the reduction.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from puma.data.device_views import batch_images
 from puma.models.head import FeatureMoments
+from puma.models.puma_model import patch_query
 
 Reduce = Callable[[list[torch.Tensor]], None]
 
@@ -44,8 +49,29 @@ def _features(model: nn.Module, batches: Iterable[dict], device: torch.device,
 
 
 def needs_data_init(cfg) -> bool:
-    """Whether ``cfg`` asks for a data-driven start (PCA head or centroid proxies)."""
-    return cfg.model.head.init == "pca" or cfg.loss.proxy_init == "centroids"
+    """Whether ``cfg`` asks for a data-driven start (PCA head, centroid proxies or pool from data)."""
+    return cfg.model.head.init == "pca" or cfg.loss.proxy_init == "centroids" or pool_from_data(cfg)
+
+
+def pool_from_data(cfg) -> bool:
+    """Whether the prompt pool's centre and keys start from the training images' queries."""
+    return cfg.model.prompt_pool.enabled and cfg.model.prompt_pool.init == "data"
+
+
+@torch.no_grad()
+def init_pool_from_data(model: nn.Module, batches: Iterable[dict], device: torch.device,
+                        reduce: Reduce = _no_reduce) -> dict[str, float]:
+    """The prompt pool's centre and keys from the patch queries of one pass over ``batches``."""
+    pool = getattr(model, "prompt_pool", None)
+    if pool is None or pool.centre is None:
+        raise ValueError("model.prompt_pool.init=data needs a model built with a centred prompt pool "
+                         "(puma.methods.build_model with model.prompt_pool.enabled=true)")
+    queries = FeatureMoments(model.num_features)
+    for batch in batches:
+        queries.add(patch_query(model.backbone.patch_embed(batch_images(batch, device))))  # (B, D)
+    reduce(queries.tensors())
+    pool.init_from_queries(*queries.mean_cov())
+    return {"init/pool_queries": float(queries.count)}
 
 
 def init_from_data(model: nn.Module, loss: nn.Module, batches: Iterable[dict], device: torch.device,
