@@ -108,10 +108,9 @@ class PromptPoolConfig:
     pool_size: int = 20  # M, prompts in the pool
     length: int = 8  # Np, tokens per prompt
     ortho_weight: float = 1e-6  # lambda of the orthogonality penalty on keys, attention and prompts
-    # random: the paper's (orthogonal keys; queries as they are). data: queries centred on a learned
-    # centre c and keys on their principal directions, both from the training images before the first
-    # step (docs/recipe.md, "The prompt pool at this budget"); adds D parameters (c)
-    init: str = "random"
+    init: str = "random"  # random (the paper's orthogonal keys) | data: queries centred on a learned
+    # centre c (D more parameters) and keys on their principal directions, both from the training images
+    # before the first step (docs/recipe.md, "The prompt pool at this budget")
 
     def __post_init__(self) -> None:
         _check_choice("model.prompt_pool.init", self.init, PROMPT_POOL_INITS)
