@@ -7,9 +7,9 @@ init, prompts as initialised): the features' mean and covariance give the head's
 (``loss.proxy_init=centroids``). The prompt pool's centre and keys (``model.prompt_pool.init=data``,
 PromptPool.init_from_queries) come from the patch queries' mean and covariance in a pass of their own
 before that one (:func:`init_pool_from_data`), so the head and proxies see the pool they will train
-with. Statistics are sums, so
-workers add theirs with ``reduce`` (an all-reduce in place; identity on one worker) and every rank
-ends with the same head, proxies and pool. No Ray here; the loop passes the batches and the reduction.
+with. Statistics are sums, so workers add theirs with ``reduce`` (an all-reduce in place; identity on
+one worker) and every rank ends with the same head, proxies and pool. No Ray here; the loop passes
+the batches and the reduction.
 """
 
 from __future__ import annotations
