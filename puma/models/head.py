@@ -38,11 +38,17 @@ class EmbeddingHead(nn.Module):
                              f"got {tuple(mean.shape)} and {tuple(cov.shape)}")
         if embed_dim > dim:
             raise ValueError(f"PCA init needs embed_dim <= the feature width; got {embed_dim} > {dim}")
-        _, vectors = torch.linalg.eigh(cov.double())  # ascending eigenvalues
-        top = vectors[:, -embed_dim:].flip(-1)  # (D, E), largest variance first
-        top = top * torch.sign(top.sum(0, keepdim=True) + 1e-30)  # a deterministic sign per direction
-        self.proj.weight.copy_(top.T.to(self.proj.weight))
-        self.proj.bias.copy_((-top.T @ mean.double()).to(self.proj.bias))
+        top = principal_directions(cov, embed_dim)  # (E, D)
+        self.proj.weight.copy_(top.to(self.proj.weight))
+        self.proj.bias.copy_((-top @ mean.double()).to(self.proj.bias))
+
+
+def principal_directions(cov: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-``k`` eigenvectors of ``cov`` (D, D) as rows (k, D), float64, largest variance first,
+    each with a deterministic sign (its entries sum to >= 0)."""
+    _, vectors = torch.linalg.eigh(cov.double())  # ascending eigenvalues
+    top = vectors[:, -k:].flip(-1).T  # (k, D)
+    return top * torch.sign(top.sum(1, keepdim=True) + 1e-30)
 
 
 class FeatureMoments:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from puma.models.head import principal_directions
+
 
 class PromptPool(nn.Module):
     """M prompts of Np tokens mixed by cosine weights of an attended query against learned keys."""
@@ -76,11 +78,8 @@ class PromptPool(nn.Module):
             raise ValueError(f"query statistics must be mean ({dim},) and covariance ({dim}, {dim}); "
                              f"got {tuple(mean.shape)} and {tuple(cov.shape)}")
         top = min(self.pool_size, dim)  # a pool larger than D keeps its random keys beyond the D-th
-        _, vectors = torch.linalg.eigh(cov.double())  # ascending eigenvalues
-        directions = vectors[:, -top:].flip(-1).T  # (top, D), largest variance first
-        directions = directions * torch.sign(directions.sum(1, keepdim=True) + 1e-30)  # a deterministic sign
         self.centre.copy_(mean.to(self.centre))
-        self.keys[:top].copy_(directions.to(self.keys))
+        self.keys[:top].copy_(principal_directions(cov, top).to(self.keys))
 
     def ortho_loss(self) -> torch.Tensor:
         """Unweighted orthogonality penalty on K, A and P (scalar)."""
