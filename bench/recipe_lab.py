@@ -226,7 +226,7 @@ def run(args) -> dict:
     from puma.methods import build_method_training, build_model
     from puma.models.trainable import count_trainable, trainable_parameter_groups
     from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
-    from puma.train.data_init import init_from_data, init_pool_from_data, needs_data_init, pool_from_data
+    from puma.train.data_init import needs_data_init, start_from_data
     from puma.train.step import train_step
 
     cfg = absolute_paths(load_config(args.config, args.overrides))
@@ -253,11 +253,7 @@ def run(args) -> dict:
             return ({"image": train_ev[i:i + 128], "label": train_labels[i:i + 128]}
                     for i in range(0, len(train_ev), 128))
 
-        done = init_pool_from_data(model, batches(), torch.device("cpu")) if pool_from_data(cfg) else {}
-        head, proxies = cfg.model.head.init == "pca", cfg.loss.proxy_init == "centroids"
-        if head or proxies:
-            done |= init_from_data(model, module.loss, batches(), torch.device("cpu"), lambda b: b["label"],
-                                   head=head, proxies=proxies)
+        done = start_from_data(cfg, model, module.loss, batches, torch.device("cpu"), lambda b: b["label"])
         print(f"[lab] data init: {done}", flush=True)
     init_stats = evaluate(model, ev_images, ev)
     print(f"[lab] zero-shot {zs['harmonic/r@1']:.4f}, "

@@ -53,6 +53,19 @@ def needs_data_init(cfg) -> bool:
     return cfg.model.head.init == "pca" or cfg.loss.proxy_init == "centroids" or pool_from_data(cfg)
 
 
+def start_from_data(cfg, model: nn.Module, loss: nn.Module, passes: Callable[[], Iterable[dict]],
+                    device: torch.device, labels_of: Callable[[dict], np.ndarray],
+                    reduce: Reduce = _no_reduce) -> dict[str, float]:
+    """Everything ``cfg`` starts from the data, in order: the pool's centre and keys, then the PCA head
+    and/or centroid proxies (``passes()`` gives a new pass over the training images for each)."""
+    done = init_pool_from_data(model, passes(), device, reduce) if pool_from_data(cfg) else {}
+    head, proxies = cfg.model.head.init == "pca", cfg.loss.proxy_init == "centroids"
+    if head or proxies:
+        done |= init_from_data(model, loss, passes(), device, labels_of, head=head, proxies=proxies,
+                               reduce=reduce)
+    return done
+
+
 def pool_from_data(cfg) -> bool:
     """Whether the prompt pool's centre and keys start from the training images' queries."""
     return cfg.model.prompt_pool.enabled and cfg.model.prompt_pool.init == "data"

@@ -36,7 +36,7 @@ from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
 from puma.train import recovery
-from puma.train.data_init import init_from_data, init_pool_from_data, needs_data_init, pool_from_data
+from puma.train.data_init import needs_data_init, start_from_data
 from puma.train.step import train_step
 
 TRAIN_EVAL = "train_eval"  # the training images in the eval view, for methods that cluster them
@@ -202,13 +202,8 @@ def _init_from_data(cfg: Config, model, loss, device, label_map: dict[str, int])
     def images():  # a new pass over the training images
         return _batches(TRAIN_EVAL, cfg.eval.batch_size, drop_last=False)
 
-    done, model = {}, model.to(device)
-    if pool_from_data(cfg):
-        done |= init_pool_from_data(model, images(), device, reduce=sum_over_ranks)
-    head, proxies = cfg.model.head.init == "pca", cfg.loss.proxy_init == "centroids"
-    if head or proxies:
-        done |= init_from_data(model, loss.to(device), images(), device, global_labels, head=head,
-                               proxies=proxies, reduce=sum_over_ranks)
+    done = start_from_data(cfg, model.to(device), loss.to(device), images, device, global_labels,
+                           reduce=sum_over_ranks)
     parts = []
     if "init/pool_queries" in done:
         parts.append(f"prompt pool from the queries of {int(done['init/pool_queries'])} images")
