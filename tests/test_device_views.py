@@ -130,6 +130,18 @@ def test_eight_bit_views_are_normalised_per_row_and_left_untouched():
     np.testing.assert_array_equal(images, kept)  # the batch's own array is not written to
 
 
+def test_normalise_is_the_reference_formula_in_a_fresh_contiguous_array():
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    levels = rng.integers(0, 256, (5, 7, 3), dtype=np.uint8)  # (H, W, 3)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    got = normalise(Image.fromarray(levels), mean, std)
+    want = (levels.astype(np.float64) / 255 - np.asarray(mean)) / np.asarray(std)
+    assert got.dtype == np.float32 and got.shape == (3, 5, 7) and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want.transpose(2, 0, 1), rtol=0, atol=2e-6)
+
+
 def test_prefetched_keeps_the_order_raises_the_threads_error_and_stops_early():
     import threading
     import time
