@@ -340,9 +340,13 @@ class DataConfig:
     rejects_uri: str = ""  # where training lists rejected images (prepare's and decode's); ''
     # = <train.storage_path>/<train.run_name>/data_rejects.jsonl
     min_image_size: int = 16  # images whose shorter side is below this are rejected as tiny
-    shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | local (block order) | none
+    shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | block (shard order and rows
+    # within each read block, in the read task: no all-to-all; shards are in hash order) | local (block order
+    # and a consumer shuffle buffer) | none
     shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
-    decode_batch_size: int = 32  # rows per Ray Data decode task batch
+    decode_batch_size: int = 128  # rows per Ray Data decode batch (and per embed-job decode task): each
+    # output block costs the consumer and the executor a fixed share; 32 cost 20-25% more CPU per row on
+    # CUB-sized photos (bench/results/data.md)
     jpeg_draft: bool = True  # decode a JPEG at a reduced DCT scale (1/2, 1/4, 1/8) that still leaves the
     # pixels the view needs (eval: 256 px shorter side at 224; train: 2.6 x img_size): large photos decode
     # several times faster; at 224 px embeddings stay within cosine 0.9997 of a full-size decode
@@ -361,7 +365,7 @@ class DataConfig:
                                            "(0: store images as encoded)")
         _check(self.num_decode_cpus > 0, f"data.num_decode_cpus={self.num_decode_cpus!r} must be > 0")
         _check(self.min_image_size >= 1, f"data.min_image_size={self.min_image_size!r} must be >= 1")
-        _check_choice("data.shuffle", self.shuffle, ("global", "local", "none"))
+        _check_choice("data.shuffle", self.shuffle, ("global", "block", "local", "none"))
         _check_choice("data.decode_on", self.decode_on, ("tasks", "worker"))
         _check(self.decode_batch_size >= 1, "data.decode_batch_size must be >= 1")
         _check(self.shots_per_class >= 0, f"data.shots_per_class={self.shots_per_class!r} must be >= 0 "

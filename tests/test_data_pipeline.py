@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import ray.data
 from PIL import Image
 
 from puma.config import ConfigError, load_config
@@ -185,6 +186,44 @@ def test_train_stream_global_labels_and_per_epoch_randomness(ray_cluster, prepar
     assert all(not np.array_equal(first[i], second[i]) for i in train_ids)  # new crops each epoch
     again = _collect(pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD))
     assert all(np.array_equal(first[i], img) for i, img in zip(again["item_id"], again["image"], strict=True))
+
+
+def test_block_shuffle_reorders_shards_and_rows_every_epoch_and_repeats_with_the_seed(ray_cluster, prepared):
+    """data.shuffle=block: no all-to-all; every epoch a new order of the shards and of each block's rows
+    (the read task permutes them), each training row once, and the same seed repeats the epochs."""
+    root, manifest, rows = prepared
+    cfg = _cfg(root, "data.shuffle=block")
+    label_map = pipeline.global_label_map(manifest)
+    ctx = ray.data.DataContext.get_current()
+    before, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
+    try:
+        ds = pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD)
+        assert "RandomShuffle" not in str(ds) and "Randomize" not in str(ds)  # no all-to-all
+        epochs = [_collect(ds)["item_id"] for _ in range(3)]
+        rerun = pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD)
+        again = [_collect(rerun)["item_id"] for _ in range(2)]
+    finally:
+        ctx.execution_options.preserve_order = before
+    stored = [i for uri in manifest.shard_uris("train")  # the shards' own (hash) order
+              for i in pq.read_table(uri, columns=["item_id"])["item_id"].to_pylist()
+              if rows[i]["split"] == "train"]
+    for got in epochs:
+        assert sorted(got) == sorted(stored)  # every training row, once
+        assert got != stored
+    assert epochs[0] != epochs[1] != epochs[2]  # a new order every epoch
+    assert again == epochs[:2]  # the same seed repeats them
+
+
+def test_block_permutation_depends_on_seed_epoch_and_block():
+    import pyarrow as pa
+
+    table = pa.table({"item_id": [f"i{k}" for k in range(50)]})
+    other = pa.table({"item_id": [f"j{k}" for k in range(50)]})
+    base = pipeline._block_permutation(table, 0)
+    assert sorted(base) == list(range(50))
+    assert np.array_equal(base, pipeline._block_permutation(table, 0))
+    assert not np.array_equal(base, pipeline._block_permutation(table, 1))
+    assert not np.array_equal(base, pipeline._block_permutation(other, 0))
 
 
 def test_reads_have_two_blocks_per_decode_slot_and_per_shard(ray_cluster, prepared):

@@ -3,7 +3,8 @@
     read_parquet(shards of the split)          one prepared root, local or s3:// (puma.storage)
       -> select rows          pyarrow, vectorised: datasets of data.datasets, the split's label ranges
                               (training: the data.shots_per_class images per class, puma/data/fewshot.py)
-      -> shuffle              train only, per epoch: data.shuffle = global | local | none
+      -> shuffle              train only, per epoch: data.shuffle = global | block | local | none
+                              (block: the shards' order and each read block's rows, in the read task)
       -> decode + view        PIL, num_cpus = data.num_decode_cpus per task (1: one task per CPU;
                               oversubscribed cores cost far more than they overlap); rejects leave
                               the stream
@@ -43,7 +44,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 import ray.data
-from ray.data import RandomSeedConfig
+from ray.data import FileShuffleConfig, RandomSeedConfig
 
 from puma import storage
 from puma.config import run_uri
@@ -118,8 +119,12 @@ def reject_log(cfg, manifest: Manifest):
 # ----------------------------------------------------------------------------- reading
 
 
-def read_rows(cfg, manifest: Manifest, split: str) -> ray.data.Dataset:
-    """Encoded rows of ``split`` (train | val | test) for ``data.datasets``; val rows get role query."""
+def read_rows(cfg, manifest: Manifest, split: str, block_shuffle_seed: int | None = None) -> ray.data.Dataset:
+    """Encoded rows of ``split`` (train | val | test) for ``data.datasets``; val rows get role query.
+
+    With ``block_shuffle_seed`` (data.shuffle=block) every execution reads the shards in a new order and
+    permutes the rows of each block it reads (:func:`_block_permutation`), in the read task itself.
+    """
     stored = schema.TEST if split == schema.TEST else schema.TRAIN
     ranges = {name: _bounds(label_range(manifest, name, split, cfg.data.val_fraction))
               for name in manifest.select(cfg.data.datasets)}
@@ -127,12 +132,15 @@ def read_rows(cfg, manifest: Manifest, split: str) -> ray.data.Dataset:
     if not paths:
         raise DataNotPreparedError(f"{manifest.uri} has no {stored} shards; re-run jobs/prepare_data.py")
     _check_shard_schema(paths[0])
-    ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri), read_blocks(cfg, len(paths)))
+    files = None if block_shuffle_seed is None else \
+        FileShuffleConfig(block_shuffle_seed, reseed_after_execution=True)
+    ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri), read_blocks(cfg, len(paths)), files)
     ds = ds.select_columns(READ_COLUMNS)
     role = schema.QUERY if split == schema.VAL else None
     shots = _shots(cfg, manifest, ranges) if split == schema.TRAIN else None
     select = functools.partial(_select_rows, ranges=ranges, role=role,
-                               shots=ray.put(shots) if shots is not None else None)
+                               shots=ray.put(shots) if shots is not None else None,
+                               permute_seed=block_shuffle_seed)
     return ds.map_batches(select, batch_format="pyarrow", batch_size=None, num_cpus=cfg.data.num_decode_cpus)
 
 
@@ -180,7 +188,8 @@ def read_blocks(cfg, shards: int) -> int:
     return max(2 * shards, 2 * math.ceil(slots))
 
 
-def _read_parquet(paths: list[str], filesystem, num_blocks: int | None = None) -> ray.data.Dataset:
+def _read_parquet(paths: list[str], filesystem, num_blocks: int | None = None,
+                  shuffle: FileShuffleConfig | None = None) -> ray.data.Dataset:
     """read_parquet over the manifest's explicit file list, through Ray's V1 Parquet reader.
 
     Ray 2.60's DataSourceV2 reader adds a ListFiles stage that cost 3-5 s per execution (per epoch)
@@ -190,7 +199,8 @@ def _read_parquet(paths: list[str], filesystem, num_blocks: int | None = None) -
     previous = ctx.use_datasource_v2
     ctx.use_datasource_v2 = False
     try:
-        return ray.data.read_parquet(paths, filesystem=filesystem, override_num_blocks=num_blocks)
+        return ray.data.read_parquet(paths, filesystem=filesystem, override_num_blocks=num_blocks,
+                                     shuffle=shuffle)
     finally:
         ctx.use_datasource_v2 = previous
 
@@ -211,9 +221,10 @@ def _bounds(labels: range) -> tuple[int, int]:
 
 
 def _select_rows(table: pa.Table, ranges: Mapping[str, tuple[int, int]], role: str | None,
-                 shots=None) -> pa.Table:
+                 shots=None, permute_seed: int | None = None) -> pa.Table:
     """Rows whose (dataset, label) falls in the split's label range of a selected dataset (and, with
-    ``shots``, the few-shot item ids: an array, or its Ray object ref)."""
+    ``shots``, the few-shot item ids: an array, or its Ray object ref), in this execution's order of
+    the block with ``permute_seed``."""
     mask = pa.array(np.zeros(len(table), dtype=bool))
     for name, (start, stop) in ranges.items():
         labels = table[schema.LABEL]
@@ -227,7 +238,17 @@ def _select_rows(table: pa.Table, ranges: Mapping[str, tuple[int, int]], role: s
     if role is not None:
         column = table.schema.get_field_index(schema.ROLE)
         table = table.set_column(column, schema.ROLE, pa.array([role] * len(table), pa.string()))
+    if permute_seed is not None and len(table):
+        table = table.take(_block_permutation(table, permute_seed))
     return table
+
+
+def _block_permutation(table: pa.Table, seed: int) -> np.ndarray:
+    """This execution's (epoch's) order of a block's rows, seeded by (seed, execution index, the block's
+    first item id): the same on a retried task, different every epoch."""
+    key = int.from_bytes(hashlib.blake2b(str(table[schema.ITEM_ID][0]).encode(), digest_size=8).digest(),
+                         "little")
+    return np.random.default_rng([seed, _execution_index(), key]).permutation(len(table))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -315,7 +336,8 @@ def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[f
                   std: Sequence[float]) -> ray.data.Dataset:
     """The training stream: shuffled each epoch, augmented, labels from ``label_map`` (global ids)."""
     _check_label_map(cfg, manifest, label_map)
-    rows = read_rows(cfg, manifest, schema.TRAIN)
+    block = cfg.data.shuffle == "block"
+    rows = read_rows(cfg, manifest, schema.TRAIN, block_shuffle_seed=cfg.train.seed if block else None)
     seed = RandomSeedConfig(seed=cfg.train.seed, reseed_after_execution=True)
     if cfg.data.shuffle == "global":
         rows = rows.random_shuffle(seed=seed)
