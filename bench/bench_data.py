@@ -17,7 +17,7 @@ and, on the large photos,
 Per core: the machine's busy CPU time during a pass is read from /proc/stat (every process: Ray's
 workers, raylet and object store, the DataLoader's workers, the driver), so rows per busy core-second
 is what each pipeline costs, whatever its parallelism; rows/s is the wall-clock rate. The best of
---epochs passes is reported, after one untimed Ray pass per photo set (without it the first Ray
+--epochs passes is reported, after an untimed Ray pass of each view (without it the first Ray
 setting also paid for the worker processes' start: 0.53x against S3's 0.85x on the same photos).
 With --train-record (bench/results/train_gpu.json by default), the table
 also gives how many cores at that rate feed one GPU's training step.
@@ -286,7 +286,8 @@ def run_set(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     local = manifests["local"]
     warm = load_config(None, [f"data.uri={local.uri}", f"model.backbone.img_size={args.img_size}",
                               f"data.rejects_uri={work / 'rejects.jsonl'}", *args.overrides])
-    ray_setting(warm, local, False, 1)  # untimed: Ray's workers start and import on this pass
+    for train in (False, True):  # untimed: Ray's workers start and import what each view needs
+        ray_setting(warm, local, train, 1)
     rows = []
     for train in (False, True):
         view = "train" if train else "eval"
