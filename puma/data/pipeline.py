@@ -246,9 +246,7 @@ def _select_rows(table: pa.Table, ranges: Mapping[str, tuple[int, int]], role: s
 def _block_permutation(table: pa.Table, seed: int) -> np.ndarray:
     """This execution's (epoch's) order of a block's rows, seeded by (seed, execution index, the block's
     first item id): the same on a retried task, different every epoch."""
-    key = int.from_bytes(hashlib.blake2b(str(table[schema.ITEM_ID][0]).encode(), digest_size=8).digest(),
-                         "little")
-    return np.random.default_rng([seed, _execution_index(), key]).permutation(len(table))
+    return item_rng(seed, _execution_index(), str(table[schema.ITEM_ID][0])).permutation(len(table))
 
 
 # ----------------------------------------------------------------------------- decoding
