@@ -283,19 +283,18 @@ def run_set(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     if name == "large":
         settings += [("ray-local-full", "local", ["data.jpeg_draft=false"]),
                      ("ray-local-shrunk", "local-shrunk", [])]
-    local = manifests["local"]
-    warm = load_config(None, [f"data.uri={local.uri}", f"model.backbone.img_size={args.img_size}",
-                              f"data.rejects_uri={work / 'rejects.jsonl'}", *args.overrides])
+    def ray_config(where: str, extra: list[str]):
+        keys = [f"data.uri={manifests[where].uri}", f"train.batch_size={args.batch_size}",
+                f"model.backbone.img_size={args.img_size}", f"data.rejects_uri={work / 'rejects.jsonl'}"]
+        return load_config(None, [*keys, *extra, *args.overrides])
+
     for train in (False, True):  # untimed: Ray's workers start and import what each view needs
-        ray_setting(warm, local, train, 1)
+        ray_setting(ray_config("local", []), manifests["local"], train, 1)
     rows = []
     for train in (False, True):
         view = "train" if train else "eval"
         for setting, where, extra in settings:
-            keys = [f"data.uri={manifests[where].uri}", f"train.batch_size={args.batch_size}",
-                    f"model.backbone.img_size={args.img_size}", f"data.rejects_uri={work / 'rejects.jsonl'}"]
-            cfg = load_config(None, [*keys, *extra, *args.overrides])
-            result = ray_setting(cfg, manifests[where], train, args.epochs)
+            result = ray_setting(ray_config(where, extra), manifests[where], train, args.epochs)
             rows.append(_row(name, pixels, setting, view, result))
         result = torch_setting(items[view], args.img_size, train, args)
         rows.append(_row(name, pixels, "torch-local", view, result))
