@@ -188,6 +188,38 @@ def test_train_stream_global_labels_and_per_epoch_randomness(ray_cluster, prepar
     assert all(np.array_equal(first[i], img) for i, img in zip(again["item_id"], again["image"], strict=True))
 
 
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_a_resumed_stream_continues_the_epochs(ray_cluster, prepared, shuffle):
+    """A run re-run from a checkpoint after epoch 1 (train_dataset(first_epoch=1)) gets epoch 2's order and
+    crops, not epoch 1's again: the stream of an uninterrupted run's second epoch, row for row."""
+    root, manifest, _ = prepared
+    cfg = _cfg(root, f"data.shuffle={shuffle}")
+    label_map = pipeline.global_label_map(manifest)
+    ctx = ray.data.DataContext.get_current()
+    global_index = ctx._execution_idx
+    before, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
+    try:
+        straight = pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD)
+        epochs = [_collect(straight) for _ in range(2)]
+        resumed = _collect(pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD, first_epoch=1))
+        fresh = _collect(pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD))
+        # Ray Train's path: the dataset pickled to streaming_split's coordinator keeps its first epoch
+        later = pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD, first_epoch=1)
+        (shard,) = later.streaming_split(1, equal=True)
+        split = {i: img for b in shard.iter_batches(batch_size=8, batch_format="numpy")
+                 for i, img in zip(b["item_id"], b["image"], strict=True)}
+    finally:
+        ctx.execution_options.preserve_order = before
+    second = dict(zip(epochs[1]["item_id"], epochs[1]["image"], strict=True))
+    assert split.keys() == second.keys() and all(np.array_equal(split[i], second[i]) for i in second)
+    assert epochs[0]["item_id"] != epochs[1]["item_id"]
+    assert resumed["item_id"] == epochs[1]["item_id"]  # epoch 2's order ...
+    assert all(np.array_equal(a, b)  # ... and its crops
+               for a, b in zip(resumed["image"], epochs[1]["image"], strict=True))
+    assert fresh["item_id"] == epochs[0]["item_id"]  # and only this stream: a new one starts at epoch 1
+    assert ctx._execution_idx == global_index  # the process's own context is left alone
+
+
 def test_block_shuffle_reorders_shards_and_rows_every_epoch_and_repeats_with_the_seed(ray_cluster, prepared):
     """data.shuffle=block: no all-to-all; every epoch a new order of the shards and of each block's rows
     (the read task permutes them), each training row once, and the same seed repeats the epochs."""

@@ -22,7 +22,8 @@ carry the label within each dataset (metrics key on (dataset, label)).
 Per-epoch randomness: the shuffle uses ``RandomSeedConfig(seed, reseed_after_execution=True)``
 and each item's augmentation RNG is seeded by (train.seed, execution index, item id); each epoch is
 a new execution of the same Dataset, so epochs differ and a re-run with the same seed repeats them,
-independent of batching and task retries.
+independent of batching and task retries. A resumed run's stream starts its execution index at the
+epochs already completed (``train_dataset(first_epoch=...)``), so it continues the sequence.
 
 Rejects: a decode task sends the items it rejects to one ``RejectLog`` actor per rejects file
 (``data.rejects_uri``) before it returns; the actor keeps one row per item id, so a retried task
@@ -331,8 +332,12 @@ def _decode(cfg, manifest: Manifest, rows: ray.data.Dataset, view: ViewSpec,
 
 
 def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[float],
-                  std: Sequence[float]) -> ray.data.Dataset:
-    """The training stream: shuffled each epoch, augmented, labels from ``label_map`` (global ids)."""
+                  std: Sequence[float], first_epoch: int = 0) -> ray.data.Dataset:
+    """The training stream: shuffled each epoch, augmented, labels from ``label_map`` (global ids).
+
+    Its first execution is epoch ``first_epoch`` (a resumed run's epochs completed): epoch e's order and
+    crops are the same whether the run got there in one go or was re-run from a checkpoint.
+    """
     _check_label_map(cfg, manifest, label_map)
     block = cfg.data.shuffle == "block"
     rows = read_rows(cfg, manifest, schema.TRAIN, block_shuffle_seed=cfg.train.seed if block else None)
@@ -341,7 +346,11 @@ def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[f
         rows = rows.random_shuffle(seed=seed)
     elif cfg.data.shuffle == "local":
         rows = rows.randomize_block_order(seed=seed)
-    return _decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map)
+    ds = _decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map)
+    # The execution index seeds every per-epoch draw (Ray's RandomSeedConfig, _execution_index); it lives
+    # on the context this pipeline's datasets share (a copy made by the read), so no other stream sees it.
+    ds.context._execution_idx = first_epoch
+    return ds
 
 
 def _check_label_map(cfg, manifest: Manifest, label_map: LabelMap) -> None:

@@ -59,8 +59,9 @@ def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfi
         callbacks=callbacks)
 
 
-def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The train and evaluation Ray Datasets, and what the workers need to know about labels.
+def build_datasets(cfg: Config, first_epoch: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The train and evaluation Ray Datasets, and what the workers need to know about labels; the
+    training stream's first epoch is ``first_epoch`` (a re-run continues the per-epoch shuffle and crops).
 
     A method that makes its own labels (udml_ss) also gets the training images in the eval view
     (``train_eval``) to cluster. Unlabeled datasets train only such methods; with no labeled test
@@ -75,7 +76,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     check_labels_for_method(cfg, manifest)
     label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
-    datasets = {"train": pipeline.train_dataset(cfg, manifest, label_map, mean, std)}
+    datasets = {"train": pipeline.train_dataset(cfg, manifest, label_map, mean, std, first_epoch)}
     train_rows = pipeline.count_rows(cfg, manifest, "train")
     info: dict[str, Any] = {"num_classes": len(label_map),
                             "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()},
@@ -136,7 +137,8 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     """
     cfg = check_inputs(cfg)  # a config or input the workers cannot use fails here, before any starts
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
-    datasets, info = build_datasets(cfg)
+    resumed = newest_complete(run_uri(cfg))  # where the loop will continue from (None: epoch 1)
+    datasets, info = build_datasets(cfg, resumed.epoch if resumed is not None else 0)
     if "eval_skipped" in info and cfg.train.eval_every > 0:
         print(f"[puma] training-time evaluation skipped: {info['eval_skipped']}", flush=True)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
