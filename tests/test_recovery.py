@@ -352,3 +352,18 @@ def test_a_resume_finishes_a_best_write_that_a_crash_cut_off(tmp_path):
     storage.delete(best_record(best, METRIC)["checkpoint"])
     got = recovery.reconcile_best(best, METRIC, 0.6, 3, later, recovery.best_label(4, 5))
     assert (got.value, got.epoch) == (float("-inf"), 0) and "meta.json is missing" in got.unreadable
+
+
+def test_each_worker_group_gets_the_training_stream_at_the_epoch_it_resumes_from(ray_cluster, run_uri):
+    """Ray Train's controller calls the driver's ResumedStream for every worker group it starts (the
+    first, and each after a lost worker): the stream's next execution draws the shuffle and crops of the
+    epoch after the run's newest complete checkpoint, not epoch 1's again."""
+    import ray.data
+
+    from puma.train.driver import ResumedStream
+
+    stream = ResumedStream(ray.data.range(4), run_uri, storage.current_config())
+    assert stream().context._execution_idx == 0  # a fresh run starts at epoch 1
+    write(run_uri, 1)
+    write(run_uri, 2)
+    assert stream().context._execution_idx == 2  # a group started after epoch 2's checkpoint: epoch 3

@@ -346,10 +346,18 @@ def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[f
         rows = rows.random_shuffle(seed=seed)
     elif cfg.data.shuffle == "local":
         rows = rows.randomize_block_order(seed=seed)
-    ds = _decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map)
-    # The execution index seeds every per-epoch draw (Ray's RandomSeedConfig, _execution_index); it lives
-    # on the context this pipeline's datasets share (a copy made by the read), so no other stream sees it.
-    ds.context._execution_idx = first_epoch
+    return start_at_epoch(_decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map),
+                          first_epoch)
+
+
+def start_at_epoch(ds: ray.data.Dataset, epoch: int) -> ray.data.Dataset:
+    """``ds`` with its next execution drawing epoch ``epoch``'s shuffle and crops (0: the first epoch's).
+
+    The execution index seeds every per-epoch draw (Ray's RandomSeedConfig, :func:`_execution_index`);
+    it lives on the context that one pipeline's datasets share (a copy made by its read), so no other
+    stream sees the change.
+    """
+    ds.context._execution_idx = epoch
     return ds
 
 

@@ -59,9 +59,8 @@ def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfi
         callbacks=callbacks)
 
 
-def build_datasets(cfg: Config, first_epoch: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The train and evaluation Ray Datasets, and what the workers need to know about labels; the
-    training stream's first epoch is ``first_epoch`` (a re-run continues the per-epoch shuffle and crops).
+def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The train and evaluation Ray Datasets, and what the workers need to know about labels.
 
     A method that makes its own labels (udml_ss) also gets the training images in the eval view
     (``train_eval``) to cluster. Unlabeled datasets train only such methods; with no labeled test
@@ -76,7 +75,8 @@ def build_datasets(cfg: Config, first_epoch: int = 0) -> tuple[dict[str, Any], d
     check_labels_for_method(cfg, manifest)
     label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
-    datasets = {"train": pipeline.train_dataset(cfg, manifest, label_map, mean, std, first_epoch)}
+    datasets = {"train": ResumedStream(pipeline.train_dataset(cfg, manifest, label_map, mean, std),
+                                       run_uri(cfg), storage.current_config())}
     train_rows = pipeline.count_rows(cfg, manifest, "train")
     info: dict[str, Any] = {"num_classes": len(label_map),
                             "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()},
@@ -91,6 +91,25 @@ def build_datasets(cfg: Config, first_epoch: int = 0) -> tuple[dict[str, Any], d
     if get_method(cfg.model.method).needs_train_eval or needs_data_init(cfg):
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
+
+
+@dataclass
+class ResumedStream:
+    """The training stream as Ray Train's controller fetches it for every worker group it starts (the
+    first, and each one after a lost worker): starting at the epoch the group will resume from, the
+    run's newest complete checkpoint, so an epoch's shuffle and crops are the same with or without a
+    resume (``pipeline.start_at_epoch``)."""
+
+    dataset: Any  # ray.data.Dataset
+    run_uri: str
+    storage: Any  # storage.current_config() of the driver: the controller is another process
+
+    def __call__(self):
+        from puma.data.pipeline import start_at_epoch
+
+        storage.configure(self.storage)
+        found = newest_complete(self.run_uri)
+        return start_at_epoch(self.dataset, found.epoch if found is not None else 0)
 
 
 def steps_per_epoch(cfg: Config, rows: int) -> int:
@@ -137,8 +156,7 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     """
     cfg = check_inputs(cfg)  # a config or input the workers cannot use fails here, before any starts
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-epoch lines come from the loop
-    resumed = newest_complete(run_uri(cfg))  # where the loop will continue from (None: epoch 1)
-    datasets, info = build_datasets(cfg, resumed.epoch if resumed is not None else 0)
+    datasets, info = build_datasets(cfg)
     if "eval_skipped" in info and cfg.train.eval_every > 0:
         print(f"[puma] training-time evaluation skipped: {info['eval_skipped']}", flush=True)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
