@@ -21,9 +21,10 @@ workers, raylet and object store, the DataLoader's workers, the driver), so rows
 is what each pipeline costs, whatever its parallelism; rows/s is the wall-clock rate. Each setting's
 ratios are over the DataLoader reading from the same storage (torch-s3 for ray-s3, torch-local for the
 rest): on S3 both pay the server's CPU (SeaweedFS runs on this machine), so ray-s3 against torch-local
-(also given) counts the server's work against Ray Data alone. The best of
---epochs passes is reported, after an untimed Ray pass of each view (without it the first Ray
-setting also paid for the worker processes' start: 0.53x against S3's 0.85x on the same photos).
+(also given) counts the server's work against Ray Data alone. The best of --epochs passes is
+reported, after an untimed pass of each view through Ray and through each DataLoader (without it the
+first Ray setting also paid for the worker processes' start: 0.53x against S3's 0.85x on the same
+photos).
 Every Ray pass is a new execution of the Dataset, as every epoch is, and pays its start-up once (the
 executor, its operators' serialised transforms, the shuffle's barrier: about 0.3 CPU-seconds here);
 the DataLoader keeps its workers between passes (persistent_workers). 4,000 photos per set (2,000
@@ -207,14 +208,15 @@ class FileDataset:
 
 class S3FileDataset(FileDataset):
     """The same over one S3 object per photo (items: (key, label)), each read with boto3's get_object,
-    as a PyTorch user reads S3; one client per DataLoader worker process, made after the fork."""
+    as a PyTorch user reads S3; one client per DataLoader worker process, made in it."""
 
     def __init__(self, items, view: ViewSpec, bucket: str) -> None:
         super().__init__(items, view)
-        self.bucket, self._client, self._pid = bucket, None, None
+        self.bucket, self.settings, self._client, self._pid = bucket, storage.current_config(), None, None
 
     def read(self, path: str) -> bytes:
         if self._pid != os.getpid():
+            storage.configure(self.settings)  # a spawned worker starts with no endpoint set
             self._client, self._pid = storage.boto3_client(), os.getpid()
         return self._client.get_object(Bucket=self.bucket, Key=path)["Body"].read()
 
@@ -240,8 +242,13 @@ def torch_setting(items, img_size: int, train: bool, args, draft: bool = True, b
 
     view = ViewSpec(img_size, MEAN, STD, train=train, draft=draft)
     dataset = S3FileDataset(items, view, bucket) if bucket else FileDataset(items, view)
-    loader = DataLoader(dataset, batch_size=args.batch_size,
-                        shuffle=train, num_workers=args.workers, persistent_workers=args.workers > 0)
+    # spawned workers: a worker forked from this process (a Ray driver) shares its GCS connection, and
+    # one that touched it left the driver's calls hanging ("Missing :authority header")
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=train, num_workers=args.workers,
+                        persistent_workers=args.workers > 0,
+                        multiprocessing_context="spawn" if args.workers > 0 else None)
+    for _ in loader:  # untimed, as Ray's first pass: the workers start (spawn) and import
+        pass
     return time_passes(lambda: iter(loader), args.epochs)
 
 
