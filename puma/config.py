@@ -335,8 +335,8 @@ class DataConfig:
     max_images_per_class: Optional[int] = None  # demo: per-class cap of cub/flowers/omniglot (null: 12)
     fashion_mnist_per_class: int = 400  # demo: per-class cap of Fashion-MNIST, the large, dominant dataset
     num_decode_cpus: float = 1.0  # CPUs reserved per Ray Data read/decode task: 1 runs one task per CPU
-    # (0.5 ran two per core and cut rows per core-second 2-4x, bench/results/data.md); below 1 only where
-    # Train workers must leave fractions of a CPU
+    # (0.5 ran two per core and cut rows per core-second 2-4x, bench/results/data_decode_cpus_0.5.md);
+    # below 1 only where Train workers must leave fractions of a CPU
     rejects_uri: str = ""  # where training lists rejected images (prepare's and decode's); ''
     # = <train.storage_path>/<train.run_name>/data_rejects.jsonl
     min_image_size: int = 16  # images whose shorter side is below this are rejected as tiny
@@ -347,7 +347,7 @@ class DataConfig:
     shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
     decode_batch_size: int = 128  # rows per Ray Data decode batch (and per embed-job decode task): each
     # output block costs the consumer and the executor a fixed share; 32 cost 20-25% more CPU per row on
-    # CUB-sized photos (bench/results/data.md)
+    # CUB-sized photos (profiled: README, "What this round changed")
     jpeg_draft: bool = True  # decode a JPEG at a reduced DCT scale (1/2, 1/4, 1/8) that still leaves the
     # pixels the view needs (eval: 256 px shorter side at 224; train: 2.6 x img_size): large photos decode
     # several times faster; at 224 px embeddings stay within cosine 0.9997 of a full-size decode
