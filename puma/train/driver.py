@@ -102,12 +102,12 @@ class ResumedStream:
 
     dataset: Any  # ray.data.Dataset
     run_uri: str
-    storage: Any  # storage.current_config() of the driver: the controller is another process
+    storage_settings: Any  # storage.current_config() of the driver: the controller is another process
 
     def __call__(self):
         from puma.data.pipeline import start_at_epoch
 
-        storage.configure(self.storage)
+        storage.configure(self.storage_settings)
         found = newest_complete(self.run_uri)
         return start_at_epoch(self.dataset, found.epoch if found is not None else 0)
 
