@@ -417,7 +417,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
              "S3 rows: per core vs torch-local |" + (" cores per GPU |" if gpu_rate else ""),
              "|---" * (9 + bool(gpu_rate)) + "|"]
     for r in rows:
-        local = f"{r['per_core_vs_torch_local']:.2f}x" if r["setting"].endswith("-s3") else "-"
+        local = f"{r['per_core_vs_torch_local']:.2f}x" if r["baseline"] == "torch-s3" else "-"
         cells = [f"{r['photos']} ({r['mean_side_px']} px)", r["view"], r["setting"], f"{r['rows_per_s']:.1f}",
                  f"{r['rows_per_core_s']:.1f}", f"{r['cores']:.2f}", f"{r['per_core_vs_torch']:.2f}x",
                  f"{r['rate_vs_torch']:.2f}x", local]

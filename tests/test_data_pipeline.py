@@ -190,7 +190,7 @@ def test_train_stream_global_labels_and_per_epoch_randomness(ray_cluster, prepar
 
 @pytest.mark.parametrize("shuffle", ["global", "block"])
 def test_a_resumed_stream_continues_the_epochs(ray_cluster, prepared, shuffle):
-    """A run re-run from a checkpoint after epoch 1 (train_dataset(first_epoch=1)) gets epoch 2's order and
+    """A run re-run from a checkpoint after epoch 1 (start_at_epoch(stream, 1)) gets epoch 2's order and
     crops, not epoch 1's again: the stream of an uninterrupted run's second epoch, row for row."""
     root, manifest, _ = prepared
     cfg = _cfg(root, f"data.shuffle={shuffle}")
@@ -199,13 +199,15 @@ def test_a_resumed_stream_continues_the_epochs(ray_cluster, prepared, shuffle):
     global_index = ctx._execution_idx
     before, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
     try:
-        straight = pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD)
+        def stream():
+            return pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD)
+
+        straight = stream()
         epochs = [_collect(straight) for _ in range(2)]
-        resumed = _collect(pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD, first_epoch=1))
-        fresh = _collect(pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD))
+        resumed = _collect(pipeline.start_at_epoch(stream(), 1))
+        fresh = _collect(stream())
         # Ray Train's path: the dataset pickled to streaming_split's coordinator keeps its first epoch
-        later = pipeline.train_dataset(cfg, manifest, label_map, MEAN, STD, first_epoch=1)
-        (shard,) = later.streaming_split(1, equal=True)
+        (shard,) = pipeline.start_at_epoch(stream(), 1).streaming_split(1, equal=True)
         split = {i: img for b in shard.iter_batches(batch_size=8, batch_format="numpy")
                  for i, img in zip(b["item_id"], b["image"], strict=True)}
     finally:

@@ -23,7 +23,7 @@ Per-epoch randomness: the shuffle uses ``RandomSeedConfig(seed, reseed_after_exe
 and each item's augmentation RNG is seeded by (train.seed, execution index, item id); each epoch is
 a new execution of the same Dataset, so epochs differ and a re-run with the same seed repeats them,
 independent of batching and task retries. A resumed run's stream starts its execution index at the
-epochs already completed (``train_dataset(first_epoch=...)``), so it continues the sequence.
+epochs already completed (:func:`start_at_epoch`), so it continues the sequence.
 
 Rejects: a decode task sends the items it rejects to one ``RejectLog`` actor per rejects file
 (``data.rejects_uri``) before it returns; the actor keeps one row per item id, so a retried task
@@ -332,12 +332,9 @@ def _decode(cfg, manifest: Manifest, rows: ray.data.Dataset, view: ViewSpec,
 
 
 def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[float],
-                  std: Sequence[float], first_epoch: int = 0) -> ray.data.Dataset:
-    """The training stream: shuffled each epoch, augmented, labels from ``label_map`` (global ids).
-
-    Its first execution is epoch ``first_epoch`` (a resumed run's epochs completed): epoch e's order and
-    crops are the same whether the run got there in one go or was re-run from a checkpoint.
-    """
+                  std: Sequence[float]) -> ray.data.Dataset:
+    """The training stream: shuffled each epoch, augmented, labels from ``label_map`` (global ids); its
+    first execution is epoch 1's (:func:`start_at_epoch` moves it)."""
     _check_label_map(cfg, manifest, label_map)
     block = cfg.data.shuffle == "block"
     rows = read_rows(cfg, manifest, schema.TRAIN, block_shuffle_seed=cfg.train.seed if block else None)
@@ -346,12 +343,12 @@ def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[f
         rows = rows.random_shuffle(seed=seed)
     elif cfg.data.shuffle == "local":
         rows = rows.randomize_block_order(seed=seed)
-    return start_at_epoch(_decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map),
-                          first_epoch)
+    return _decode(cfg, manifest, rows, view_spec(cfg, True, (mean, std)), label_map)
 
 
 def start_at_epoch(ds: ray.data.Dataset, epoch: int) -> ray.data.Dataset:
-    """``ds`` with its next execution drawing epoch ``epoch``'s shuffle and crops (0: the first epoch's).
+    """``ds`` with its next execution drawing the shuffle and crops of the epoch after ``epoch`` completed
+    ones (0: the first epoch's), so a resumed run's epoch e is the same as an uninterrupted run's.
 
     The execution index seeds every per-epoch draw (Ray's RandomSeedConfig, :func:`_execution_index`);
     it lives on the context that one pipeline's datasets share (a copy made by its read), so no other
