@@ -196,3 +196,60 @@ def answers(url: str) -> bool:
         return True
     except OSError:
         return False
+
+
+_NODES_SCRIPT = """
+import json, ray
+ray.init(logging_level="ERROR", log_to_driver=False)
+nodes = [{"id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]} for n in ray.nodes()]
+print(json.dumps(nodes))
+"""
+
+
+def gcs_nodes(head: RayHead, timeout: float = 90) -> list[dict]:
+    """The cluster's nodes as its GCS holds them (id, alive, resources), from a short driver of its own."""
+    out = subprocess.run([PYTHON, "-c", _NODES_SCRIPT], env=dict(head.env, RAY_ADDRESS=head.gcs),
+                         capture_output=True, text=True, timeout=timeout, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ray_stacks(names: tuple[str, ...] = ("RayTrainWorker", "TrainController", "SplitCoordinator"),
+               lines: int = 40) -> str:
+    """py-spy dumps (py-spy comes with Ray) of this machine's Ray processes whose title names one of
+    ``names``: where a stalled run waits. Each cut to its first ``lines`` lines."""
+    spy, dumps = Path(PYTHON).parent / "py-spy", []
+    for pid in _pids():
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::") and any(n in title for n in names):
+            try:
+                out = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                     timeout=30)
+                text = out.stdout or out.stderr
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                text = f"py-spy failed: {exc}"
+            dumps.append(f"--- {pid} {title[:80]}\n" + "\n".join(text.splitlines()[:lines]))
+    return "\n".join(dumps) or "(no Ray Train process on this machine)"
+
+
+def cluster_report(head: RayHead, timeout: float = 60) -> str:
+    """What a failed multi-node test should show: the GCS's nodes, `ray status` (resources, demands) and
+    where Ray Train's processes wait."""
+    parts = []
+    try:
+        nodes = gcs_nodes(head, timeout)
+        parts.append("nodes: " + "; ".join(
+            f"{n['id'][:8]} {'alive' if n['alive'] else 'DEAD'} "
+            f"{ {k: v for k, v in n['resources'].items() if not k.startswith('node:')} }" for n in nodes))
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        parts.append(f"nodes: not read ({type(exc).__name__})")
+    try:
+        status = subprocess.run([RAY_BIN, "status", f"--address={head.gcs}"], env=head.env,
+                                capture_output=True, text=True, timeout=timeout)
+        parts.append(status.stdout[-2000:] or status.stderr[-1000:])
+    except subprocess.TimeoutExpired:
+        parts.append(f"`ray status` did not answer in {timeout:.0f}s")
+    parts.append(ray_stacks())
+    return "\n".join(parts)

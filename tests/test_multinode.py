@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,17 @@ import pytest
 import torch
 import yaml
 from conftest import AWS_TEST_ENV, _free_port, _stop_server, _wait_for_s3, _weed_command
-from raynodes import RAY_BIN, RayHead, cluster_env, kill_node, start_head_with_retries, start_node, stop_node
+from raynodes import (
+    RAY_BIN,
+    RayHead,
+    cluster_env,
+    cluster_report,
+    gcs_nodes,
+    kill_node,
+    start_head_with_retries,
+    start_node,
+    stop_node,
+)
 from tiny import TINY_BACKBONE
 
 from puma import storage
@@ -82,6 +93,20 @@ class TwoNodes:
         """A new second node (new node id, same resources), as a replacement machine joining."""
         self.restarts += 1
         self.node_b = start_node(self.head, resources=NODE_B_RESOURCES)
+
+    def ensure_node_b(self) -> None:
+        """A new second node if the current one is gone before a run: its `ray start` exited, or the GCS
+        holds it dead (a raylet can miss its health checks on a loaded machine). Not the test's doing, so
+        it is said on stderr; a run that needs two nodes would otherwise wait for one forever."""
+        why = None
+        if self.node_b.poll() is not None:
+            why = f"its `ray start` exited ({self.node_b.returncode})"
+        elif not any(n["alive"] and "node_b" in n["resources"] for n in gcs_nodes(self.head)):
+            why = "the GCS holds it dead"
+        if why:
+            print(f"[test] node b was down before the run: {why}; a new one joins", file=sys.stderr)
+            stop_node(self.node_b)
+            self.restart_node_b()
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +182,18 @@ def start_driver(cluster: TwoNodes, config: Path, log: Path) -> subprocess.Popen
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@contextmanager
+def killed_at_exit(process: subprocess.Popen):
+    """``process`` (a session leader) and its group SIGKILLed when the block is left with it still running:
+    a failed test must not leave a driver waiting on the cluster through the next tests."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait()
+
+
 def finish(driver: subprocess.Popen, log: Path, timeout: float = 600) -> str:
     try:
         code = driver.wait(timeout=timeout)
@@ -205,8 +242,10 @@ def complete_epochs_at(run_uri: str) -> list[int]:
     return sorted(epochs)
 
 
-def wait_for_step(log: Path, epoch: int, epochs: int, driver: subprocess.Popen, timeout: float = 300) -> int:
-    """Block until the driver's log shows the workers part-way into ``epoch`` (step k of n, 0 < k < n)."""
+def wait_for_step(log: Path, epoch: int, epochs: int, driver: subprocess.Popen, cluster: TwoNodes,
+                  timeout: float = 300) -> int:
+    """Block until the driver's log shows the workers part-way into ``epoch`` (step k of n, 0 < k < n);
+    if it does not, the failure shows the cluster's nodes and `ray status` beside the log."""
     pattern = re.compile(rf"epoch {epoch}/{epochs}: (\d+)/(\d+) steps")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -215,7 +254,8 @@ def wait_for_step(log: Path, epoch: int, epochs: int, driver: subprocess.Popen, 
                 return int(step)
         assert driver.poll() is None, f"the driver exited early:\n{log.read_text()[-3000:]}"
         time.sleep(0.05)
-    raise AssertionError(f"epoch {epoch} was not seen part-way in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+    tail, report = log.read_text(errors="replace")[-3000:], cluster_report(cluster.head)
+    raise AssertionError(f"epoch {epoch} was not seen part-way in {timeout:.0f}s:\n{tail}\n{report}")
 
 
 def checkpoint_at(run: str, epoch: int):
@@ -241,17 +281,19 @@ def test_training_across_nodes_equals_one_node_and_survives_a_lost_node(cluster,
     epochs, common = 3, {"batch_size": 4, "eval_before": False, "eval_every": 3, "checkpoints_to_keep": 3}
     packed = train_config(tmp_path / "packed.yaml", cluster, s3_data, "packed", epochs=1,
                           worker_resources={"node_a": 1}, **common)
-    finish(start_driver(cluster, packed, tmp_path / "packed.log"), tmp_path / "packed.log")
+    with killed_at_exit(start_driver(cluster, packed, tmp_path / "packed.log")) as driver:
+        finish(driver, tmp_path / "packed.log")
 
     log = tmp_path / "spread.log"
     spread = train_config(tmp_path / "spread.yaml", cluster, s3_data, "spread", epochs=epochs,
                           placement_strategy="STRICT_SPREAD", **common)
-    driver = start_driver(cluster, spread, log)  # 18 steps an epoch
-    step = wait_for_step(log, 2, epochs, driver)  # the workers say they are part-way into epoch 2
-    done_at_kill = complete_epochs("spread")
-    killed = kill_node(cluster.node_b)
-    cluster.restart_node_b()
-    finish(driver, log)
+    cluster.ensure_node_b()
+    with killed_at_exit(start_driver(cluster, spread, log)) as driver:  # 18 steps an epoch
+        step = wait_for_step(log, 2, epochs, driver, cluster)  # the workers are part-way into epoch 2
+        done_at_kill = complete_epochs("spread")
+        killed = kill_node(cluster.node_b)
+        cluster.restart_node_b()
+        finish(driver, log)
 
     packed_nodes = {w["node_id"] for w in attempts("packed")[0]["workers"]}
     first_attempt, second_attempt = attempts("spread")
@@ -315,23 +357,24 @@ def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluste
     # head's actor could commit everything before node b's has imported torch. Wait for both first.
     env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1",
                RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S="120")
+    cluster.ensure_node_b()
     nodes_before = embedder_nodes(cluster)
     with open(tmp_path / "embed1.log", "w") as out:
         first = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and first.poll() is None:
-        if storage.exists(storage.join(index, "manifest.json")) and read_manifest(index).shards:
-            break
-        time.sleep(0.1)
-    committed = read_manifest(index).total
-    kill_node(cluster.node_b)
-    cluster.restart_node_b()
-    try:
-        first.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(first.pid, 9)
-        first.wait()
+    with killed_at_exit(first):  # (stopped after 180 s if it has not finished by then)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None:
+            if storage.exists(storage.join(index, "manifest.json")) and read_manifest(index).shards:
+                break
+            time.sleep(0.1)
+        committed = read_manifest(index).total
+        kill_node(cluster.node_b)
+        cluster.restart_node_b()
+        try:
+            first.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pass
     ran_on = embedder_nodes(cluster) - nodes_before
     assert len(ran_on) >= 2, f"the actors must run on both nodes, ran on {ran_on}"
     assert 8 <= committed < 72, f"the node must be lost mid-run ({committed} of 72 committed)"
@@ -371,6 +414,7 @@ def test_a_sweep_across_nodes_killed_and_restored_continues_every_trial(cluster,
         return {t: complete_epochs_at(f"{trials}/{t}") for t in runs}
 
     log = tmp_path / "sweep1.log"
+    cluster.ensure_node_b()
     with open(log, "w") as out:
         first = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 400
