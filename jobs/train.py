@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from puma import storage
-    from puma.runtime import init_ray
-    from puma.train.driver import check_inputs, run_training
+    from puma.runtime import init_ray, joins_cluster
+    from puma.train.driver import check_inputs, check_placement, run_training
     from puma.train.report import recall_table
 
     storage.preflight(cfg.storage, inputs=[cfg.model.backbone.weights],  # before Ray: one-line errors
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                                cfg.data.rejects_uri])
     check_inputs(cfg)  # a config or weights file that cannot work fails before Ray starts
     print(f"[puma] Ray: {init_ray()}", flush=True)
+    check_placement(cfg, local=not joins_cluster())  # a worker group that can never start: said now
     outcome = run_training(cfg)
     print(recall_table(outcome.metrics))
     print(f"[puma] run directory:   {outcome.run_uri}")

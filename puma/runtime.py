@@ -56,7 +56,7 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
     options = {"log_to_driver": True, "logging_level": logging.INFO if verbose else logging.ERROR,
                "runtime_env": {"env_vars": {k: v for k, v in WORKER_ENV.items() if k not in os.environ}}}
     address = os.environ.get("RAY_ADDRESS")
-    if address:
+    if joins_cluster():
         check_cluster_address(address)
         try:
             ray.init(address=address, **options)
@@ -77,6 +77,12 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
     route_worker_output(verbose)
     logs = _session_logs()
     return where + (f"; Ray's own logs: {logs} (--verbose shows them here)" if logs and not verbose else "")
+
+
+def joins_cluster() -> bool:
+    """Whether init_ray joins a running cluster (RAY_ADDRESS, as `ray job submit` sets it) rather than
+    starting a local Ray."""
+    return bool(os.environ.get("RAY_ADDRESS"))
 
 
 def check_cluster_address(address: str) -> None:

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -321,3 +322,67 @@ def test_user_errors_are_found_behind_ray_wrappers_and_internal_errors_keep_thei
     assert run_job(user, ["--verbose"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.endswith("error: bad thing on two lines\n")
+
+
+# ----------------------------------------------------------------------------- a worker group too large
+
+PLACEMENTS = [  # (train overrides, nodes' total resources, workers they hold at once or None if enough)
+    ({"num_workers": 2, "cpus_per_worker": 0.5}, [{"CPU": 4.0}], None),
+    ({"num_workers": 9, "cpus_per_worker": 0.5}, [{"CPU": 4.0}], 8),
+    ({"num_workers": 3, "cpus_per_worker": 1.5}, [{"CPU": 4.0}, {"CPU": 1.0}], 2),  # 1.5 + 1.5 on the first
+    ({"num_workers": 2, "placement_strategy": "STRICT_SPREAD", "cpus_per_worker": 0.5}, [{"CPU": 8.0}], 1),
+    ({"num_workers": 2, "placement_strategy": "STRICT_SPREAD", "cpus_per_worker": 0.5},
+     [{"CPU": 4.0}, {"CPU": 4.0}], None),
+    ({"num_workers": 3, "placement_strategy": "STRICT_PACK"}, [{"CPU": 2.0}, {"CPU": 2.0}], 2),
+    ({"num_workers": 2, "worker_resources": {"pool_a": 1}}, [{"CPU": 8.0, "pool_a": 1.0}, {"CPU": 8.0}], 1),
+    ({"num_workers": 1, "use_gpu": True, "gpus_per_worker": 0.5}, [{"CPU": 8.0}], 0),
+    ({"num_workers": 4, "use_gpu": True, "gpus_per_worker": 0.5}, [{"CPU": 8.0, "GPU": 2.0}], None),
+]
+
+
+@pytest.mark.parametrize(("train", "nodes", "room"), PLACEMENTS)
+def test_a_worker_group_the_nodes_cannot_hold_is_named_with_what_they_hold(train, nodes, room):
+    from puma.train.driver import placement_shortfall
+
+    cfg = load_config(None, [f"train.{k}={v}" for k, v in train.items()])
+    why = placement_shortfall(cfg, nodes)
+    if room is None:
+        assert why is None
+    else:
+        assert why is not None, (train, nodes)
+        assert why.startswith(f"train.num_workers={train['num_workers']} workers of {{CPU:"), why
+        assert f"{len(nodes)} alive node(s)" in why and why.endswith(f"hold {room} at once"), why
+
+
+def test_a_worker_group_larger_than_the_local_ray_fails_in_one_line_before_any_worker(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PUMA_RAY_TMP"] = ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")  # Ray's sockets: < 108 bytes
+    try:
+        done = _train_subprocess(env, f"train.storage_path={tmp_path}", "train.num_workers=3",
+                                 "train.cpus_per_worker=2")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0] == ("error: train.num_workers=3 workers of {CPU: 2} each (PACK) do not fit: the 1 "
+                        "alive node(s), {CPU: 4} in all, hold 2 at once on this local Ray: lower "
+                        "train.num_workers, train.cpus_per_worker or train.worker_resources, or join a "
+                        "larger cluster with RAY_ADDRESS"), lines[0]
+    assert not list(tmp_path.glob("puma*")), "no run may have started"
+
+
+def test_on_a_joined_cluster_a_worker_group_that_does_not_fit_yet_is_a_notice(ray_cluster, capsys):
+    """A cluster may grow (an autoscaler): the run is not refused, the user is told what it waits for."""
+    from puma.train.driver import check_placement
+
+    cfg = load_config(None, ["train.num_workers=2", "train.worker_resources={pool_z: 1}"])
+    check_placement(cfg, local=False)
+    out = capsys.readouterr().out
+    assert out.startswith("[puma] waiting for nodes: train.num_workers=2 workers of {CPU: 1, pool_z: 1} "
+                          "each (PACK) do not fit: the 1 alive node(s), {CPU: 4, pool_z: 0} in all, hold 0 "
+                          "at once"), out
+    assert "an autoscaler adds them" in out
+    with pytest.raises(ConfigError, match="on this local Ray: lower train.num_workers"):
+        check_placement(cfg, local=True)
+    check_placement(load_config(None, ["train.num_workers=2", "train.cpus_per_worker=0.5"]), local=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from puma import storage
+from puma import console, storage
 from puma.checkpoint import BEST_DIR, has_checkpoint, read_meta
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
 from puma.methods import METHODS, check_config, get_method
@@ -29,14 +30,53 @@ class TrainOutcome:
     metrics: dict[str, Any]
 
 
-def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
-    """Workers, GPUs and CPU fractions from config (fractional CPUs leave room for Ray Data)."""
+def worker_resources(cfg: Config) -> dict[str, float]:
+    """What each training worker reserves: its CPU fraction, GPUs (train.use_gpu) and custom resources."""
     resources = {"CPU": cfg.train.cpus_per_worker, **cfg.train.worker_resources}
     if cfg.train.use_gpu:
         resources["GPU"] = cfg.train.gpus_per_worker
+    return resources
+
+
+def scaling_config(cfg: Config) -> ray.train.ScalingConfig:
+    """Workers, GPUs and CPU fractions from config (fractional CPUs leave room for Ray Data)."""
     return ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                   resources_per_worker=resources,
+                                   resources_per_worker=worker_resources(cfg),
                                    placement_strategy=cfg.train.placement_strategy)
+
+
+def placement_shortfall(cfg: Config, nodes: list[dict[str, float]]) -> str | None:
+    """Why ``nodes`` (each alive node's total resources) can never hold the run's worker group at
+    once, or None if they can: the workers each node holds by itself, combined as
+    train.placement_strategy allows (STRICT_SPREAD: one per node, STRICT_PACK: all on one node)."""
+    need, wanted, strategy = worker_resources(cfg), cfg.train.num_workers, cfg.train.placement_strategy
+    holds = [min(math.floor(node.get(k, 0.0) / v + 1e-9) for k, v in need.items()) for node in nodes]
+    room = {"STRICT_SPREAD": sum(h >= 1 for h in holds), "STRICT_PACK": max(holds, default=0)}.get(
+        strategy, sum(holds))
+    if room >= wanted:
+        return None
+    totals = {k: sum(node.get(k, 0.0) for node in nodes) for k in need}
+    return (f"train.num_workers={wanted} workers of {_amounts(need)} each ({strategy}) do not fit: the "
+            f"{len(nodes)} alive node(s), {_amounts(totals)} in all, hold {room} at once")
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
+
+
+def check_placement(cfg: Config, local: bool) -> None:
+    """The worker group against the cluster's alive nodes, before Ray Train waits for it (silently, for
+    ever): on a local Ray, where no node will join, a ConfigError saying what to lower; on a joined
+    cluster a notice, as an autoscaler may still add nodes."""
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    why = placement_shortfall(cfg, nodes)
+    if why is None:
+        return
+    if local:
+        raise ConfigError(f"{why} on this local Ray: lower train.num_workers, train.cpus_per_worker or "
+                          "train.worker_resources, or join a larger cluster with RAY_ADDRESS")
+    console.say(f"waiting for nodes: {why}; the run starts once nodes that can hold them join (an "
+                "autoscaler adds them), Ctrl-C stops it")
 
 
 def data_config(cfg: Config) -> ray.train.DataConfig:
