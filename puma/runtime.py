@@ -68,6 +68,7 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
         check_local_ports()
         cpus = local_cpus or max(4, os.cpu_count() or 1)
         temp_dir = os.environ.get("PUMA_RAY_TMP", os.path.join(tempfile.gettempdir(), "ray-puma"))
+        check_temp_dir(temp_dir)
         try:
             ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
                      **options)
@@ -104,6 +105,20 @@ def check_cluster_address(address: str) -> None:
         raise RayStartError(f"no Ray cluster at RAY_ADDRESS={address} ({exc.strerror or exc}): start one "
                             f"there (`ray start --head --port={port}`) or unset RAY_ADDRESS for a local "
                             "Ray") from exc
+
+
+# Ray's Unix sockets live at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store: 64 bytes
+# after the folder with a 7-digit pid, and a socket path holds at most 107 bytes
+MAX_TEMP_DIR = 107 - 64
+
+
+def check_temp_dir(temp_dir: str) -> None:
+    """The local Ray's temp folder must leave room for its socket paths: say so before Ray tries."""
+    path = os.path.abspath(temp_dir)
+    if len(path.encode()) > MAX_TEMP_DIR:
+        raise RayStartError(f"PUMA_RAY_TMP={path} is {len(path.encode())} bytes long: the local Ray's socket "
+                            f"paths below it would pass the 107-byte limit of Unix sockets; give a folder "
+                            f"of at most {MAX_TEMP_DIR} bytes (the default is /tmp/ray-puma)")
 
 
 def check_local_ports() -> None:

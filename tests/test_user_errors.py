@@ -287,6 +287,18 @@ def test_a_local_ray_port_in_use_is_named(tmp_path):
     assert not (tmp_path / "ray").exists(), "Ray must not have started"
 
 
+def test_a_local_ray_temp_folder_too_long_for_its_sockets_is_named(tmp_path):
+    folder = tmp_path / "ray"  # pytest's tmp_path is long: Ray's socket paths below it would not fit
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PUMA_RAY_TMP=str(folder))
+    done = _train_subprocess(env, f"train.storage_path={tmp_path}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0].startswith(f"error: PUMA_RAY_TMP={folder} is {len(str(folder))} bytes long"), lines[0]
+    assert "at most 43 bytes" in lines[0] and not folder.exists(), "Ray must not have started"
+
+
 # ----------------------------------------------------------------------------- run_job and Ray's wrappers
 
 
