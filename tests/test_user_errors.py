@@ -384,6 +384,25 @@ def test_a_worker_group_larger_than_the_local_ray_fails_in_one_line_before_any_w
     assert not list(tmp_path.glob("puma*")), "no run may have started"
 
 
+def test_a_sweep_whose_trials_cannot_start_on_the_local_ray_fails_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PUMA_RAY_TMP"] = ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")
+    try:
+        done = subprocess.run([sys.executable, str(REPO / "tune" / "sweep.py"),
+                               f"train.storage_path={tmp_path}", "train.num_workers=2",
+                               "train.placement_strategy=STRICT_SPREAD"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0].startswith("error: train.num_workers=2 workers of {CPU: 2} each (STRICT_SPREAD) do "
+                               "not fit: the 1 alive node(s), {CPU: 4} in all, hold 1 at once on this "
+                               "local Ray"), lines[0]
+    assert not (tmp_path / "sweeps").exists(), "no trial may have started"
+
+
 def test_on_a_joined_cluster_a_worker_group_that_does_not_fit_yet_is_a_notice(ray_cluster, capsys):
     """A cluster may grow (an autoscaler): the run is not refused, the user is told what it waits for."""
     from puma.train.driver import check_placement

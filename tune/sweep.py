@@ -43,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     storage.preflight(cfg.storage, inputs=[cfg.sweep.space_file, cfg.model.backbone.weights],
                       outputs=[cfg.data.uri, cfg.sweep.storage_path, cfg.train.storage_path])
     plan = plan_sweep(cfg)  # every check that needs no Ray: nothing starts if this fails
-    from puma.runtime import init_ray
+    from puma.runtime import init_ray, joins_cluster
+    from puma.train.driver import check_placement
 
     print(f"[puma.sweep] Ray: {init_ray()}", flush=True)
+    check_placement(cfg, local=not joins_cluster())  # each trial's worker group must fit the cluster
     outcome = run_sweep(plan)
     print(storage.read_text(outcome.files["trials.md"]))
     for name, uri in outcome.files.items():
