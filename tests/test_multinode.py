@@ -190,15 +190,14 @@ def killed_at_exit(process: subprocess.Popen):
         yield process
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.wait()
+            stop_node(process)  # SIGKILL to the process group, then wait
 
 
 def finish(driver: subprocess.Popen, log: Path, timeout: float = 600) -> str:
+    """The driver's output once it exits 0 within ``timeout`` (callers hold it in killed_at_exit)."""
     try:
         code = driver.wait(timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        os.killpg(driver.pid, 9)
         tail = log.read_text()[-3000:]
         raise AssertionError(f"the driver did not finish in {timeout:.0f}s:\n{tail}") from exc
     output = log.read_text(errors="replace")

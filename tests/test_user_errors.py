@@ -349,6 +349,7 @@ PLACEMENTS = [  # (train overrides, nodes' total resources, workers they hold at
     ({"num_workers": 2, "worker_resources": {"pool_a": 1}}, [{"CPU": 8.0, "pool_a": 1.0}, {"CPU": 8.0}], 1),
     ({"num_workers": 1, "use_gpu": True, "gpus_per_worker": 0.5}, [{"CPU": 8.0}], 0),
     ({"num_workers": 4, "use_gpu": True, "gpus_per_worker": 0.5}, [{"CPU": 8.0, "GPU": 2.0}], None),
+    ({"num_workers": 2, "use_gpu": True, "gpus_per_worker": 0}, [{"CPU": 8.0}], None),  # nothing to hold
 ]
 
 
@@ -366,40 +367,38 @@ def test_a_worker_group_the_nodes_cannot_hold_is_named_with_what_they_hold(train
         assert f"{len(nodes)} alive node(s)" in why and why.endswith(f"hold {room} at once"), why
 
 
-def test_a_worker_group_larger_than_the_local_ray_fails_in_one_line_before_any_worker(tmp_path):
+def _local_ray_user_error(script: str, *args: str) -> str:
+    """``python <script> args`` on a local Ray in a short temp folder of its own (Ray's socket paths:
+    < 108 bytes), failing as a user error: exit 2 and one stderr line, which is returned."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PUMA_RAY_TMP"] = ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")  # Ray's sockets: < 108 bytes
+    env["PUMA_RAY_TMP"] = ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")
     try:
-        done = _train_subprocess(env, f"train.storage_path={tmp_path}", "train.num_workers=3",
-                                 "train.cpus_per_worker=2")
+        done = subprocess.run([sys.executable, str(REPO / script), *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert lines[0] == ("error: train.num_workers=3 workers of {CPU: 2} each (PACK) do not fit: the 1 "
+    return lines[0]
+
+
+def test_a_worker_group_larger_than_the_local_ray_fails_in_one_line_before_any_worker(tmp_path):
+    line = _local_ray_user_error("jobs/train.py", f"train.storage_path={tmp_path}", "train.num_workers=3",
+                                 "train.cpus_per_worker=2")
+    assert line == ("error: train.num_workers=3 workers of {CPU: 2} each (PACK) do not fit: the 1 "
                         "alive node(s), {CPU: 4} in all, hold 2 at once on this local Ray: lower "
                         "train.num_workers, train.cpus_per_worker or train.worker_resources, or join a "
-                        "larger cluster with RAY_ADDRESS"), lines[0]
+                        "larger cluster with RAY_ADDRESS"), line
     assert not list(tmp_path.glob("puma*")), "no run may have started"
 
 
 def test_a_sweep_whose_trials_cannot_start_on_the_local_ray_fails_in_one_line(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PUMA_RAY_TMP"] = ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")
-    try:
-        done = subprocess.run([sys.executable, str(REPO / "tune" / "sweep.py"),
-                               f"train.storage_path={tmp_path}", "train.num_workers=2",
-                               "train.placement_strategy=STRICT_SPREAD"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert done.returncode == 2, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert lines[0].startswith("error: train.num_workers=2 workers of {CPU: 2} each (STRICT_SPREAD) do "
+    line = _local_ray_user_error("tune/sweep.py", f"train.storage_path={tmp_path}", "train.num_workers=2",
+                                 "train.placement_strategy=STRICT_SPREAD")
+    assert line.startswith("error: train.num_workers=2 workers of {CPU: 2} each (STRICT_SPREAD) do "
                                "not fit: the 1 alive node(s), {CPU: 4} in all, hold 1 at once on this "
-                               "local Ray"), lines[0]
+                               "local Ray"), line
     assert not (tmp_path / "sweeps").exists(), "no trial may have started"
 
 

@@ -50,7 +50,8 @@ def placement_shortfall(cfg: Config, nodes: list[dict[str, float]]) -> str | Non
     once, or None if they can: the workers each node holds by itself, combined as
     train.placement_strategy allows (STRICT_SPREAD: one per node, STRICT_PACK: all on one node)."""
     need, wanted, strategy = worker_resources(cfg), cfg.train.num_workers, cfg.train.placement_strategy
-    holds = [min(math.floor(node.get(k, 0.0) / v + 1e-9) for k, v in need.items()) for node in nodes]
+    limits = {k: v for k, v in need.items() if v > 0}  # a zero amount (gpus_per_worker=0) never limits
+    holds = [min(math.floor(node.get(k, 0.0) / v + 1e-9) for k, v in limits.items()) for node in nodes]
     room = {"STRICT_SPREAD": sum(h >= 1 for h in holds), "STRICT_PACK": max(holds, default=0)}.get(
         strategy, sum(holds))
     if room >= wanted:
