@@ -284,11 +284,49 @@ def view_column(spec: ViewSpec, rows: int) -> np.ndarray:
 
 def _view_image(data: bytes, spec: ViewSpec, rng: np.random.Generator | None) -> Image.Image:
     """The train or eval view of ``data`` as an RGB PIL image of img_size x img_size."""
-    draft = math.ceil(spec.img_size * 2.6) if spec.train else eval_resize_size(spec.img_size)
-    img = decode_image(data, spec.min_size, draft_side=draft if spec.draft else None)
     if spec.train:
-        return train_view(img, spec.img_size, rng if rng is not None else np.random.default_rng())
-    return eval_view(img, spec.img_size)
+        rng = rng if rng is not None else np.random.default_rng()
+        if spec.draft:
+            view = _drafted_train_view(data, spec, rng)
+            if view is not None:
+                return view
+        draft = math.ceil(spec.img_size * 2.6) if spec.draft else None  # PNGs, rotated JPEGs: a fixed side
+        return train_view(decode_image(data, spec.min_size, draft_side=draft), spec.img_size, rng)
+    draft = eval_resize_size(spec.img_size) if spec.draft else None
+    return eval_view(decode_image(data, spec.min_size, draft_side=draft), spec.img_size)
+
+
+def _drafted_train_view(data: bytes, spec: ViewSpec, rng: np.random.Generator) -> Image.Image | None:
+    """train_view of an upright JPEG decoded at the DCT scale its own crop allows; None for other images.
+
+    The crop box is drawn from the header's size before decoding (train_view draws the same box and flip
+    from the same ``rng`` on a full-size decode), then the JPEG decodes at the largest reduction that
+    leaves the box at least img_size pixels on each side (:func:`draft_for_box`). A fixed draft side
+    cannot do this: every crop must keep its resolution, so 1,000 px photos decoded at full size.
+    """
+    with _rejects_bad_bytes():
+        img = Image.open(io.BytesIO(data))
+        if min(img.size) < spec.min_size:
+            raise ImageRejected("tiny", f"{img.size[0]}x{img.size[1]} < {spec.min_size} px")
+        if img.format != "JPEG" or _orientation(img) != 1:
+            return None
+        full = img.size
+        box = random_resized_crop_box(*full, rng)
+        draft_for_box(img, box, spec.img_size)
+        img.load()
+        img = to_rgb(img)
+    sx, sy = full[0] / img.width, full[1] / img.height
+    out = img.resize((spec.img_size, spec.img_size), Image.Resampling.BICUBIC,
+                     box=(box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy))
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else out
+
+
+def draft_for_box(img: Image.Image, box: tuple[float, float, float, float], img_size: int) -> None:
+    """Set an opened, not yet loaded JPEG to decode at the largest DCT reduction (1/2, 1/4, 1/8) that
+    keeps ``box`` (full-size pixels) at least ``img_size`` pixels wide and high; no reduction if none does."""
+    reduction = min(box[2] - box[0], box[3] - box[1]) / img_size
+    if reduction >= 2:
+        img.draft(None, (math.ceil(img.width / reduction), math.ceil(img.height / reduction)))
 
 
 @dataclass(frozen=True)
