@@ -263,16 +263,14 @@ def test_block_permutation_depends_on_seed_epoch_and_block():
 def test_reads_have_two_blocks_per_decode_slot_and_per_shard(ray_cluster, prepared):
     """Each block is a decode task's input, and Ray's shuffle makes an object per (input block, output block)
     pair and keeps the input's block count: reads are split into two blocks per decode task the cluster runs
-    at once (one before the global shuffle; at least two per shard), not into Ray's ~1 MB blocks (49 x 49
-    shuffle objects for 500 rows of 1,000 px photos)."""
+    at once (at least two per shard), not into Ray's ~1 MB blocks (49 x 49 shuffle objects for 500 rows of
+    1,000 px photos)."""
     root, manifest, rows = prepared
     shards = len(manifest.shard_uris("train"))
     assert shards >= 2
     for decode_cpus, want in ((2.0, max(2 * shards, 4)), (0.25, max(2 * shards, 32))):  # 4 logical CPUs here
         cfg = _cfg(root, f"data.num_decode_cpus={decode_cpus}")
         assert pipeline.read_blocks(cfg, shards) == want
-        # the global shuffle's read: one block per slot (its objects grow as blocks x blocks)
-        assert pipeline.read_blocks(cfg, shards, per_slot=1) == max(2 * shards, want // 2)
     shuffled = pipeline.read_rows(cfg, manifest, "train").random_shuffle(seed=1).materialize()
     train_rows = sum(1 for r in rows.values() if r["split"] == "train")
     assert shuffled.count() == train_rows

@@ -70,7 +70,6 @@ __all__ = ["train_dataset", "eval_dataset", "read_rows", "global_label_map", "re
 
 READ_COLUMNS = [schema.ITEM_ID, schema.DATASET, schema.LABEL, schema.SPLIT, schema.ROLE, schema.IMAGE,
                 schema.SOURCE_PATH]
-GLOBAL_SHUFFLE_BLOCKS_PER_SLOT = 1  # read blocks per decode slot before random_shuffle (read_blocks)
 
 
 # ----------------------------------------------------------------------------- rejects
@@ -121,13 +120,11 @@ def reject_log(cfg, manifest: Manifest):
 # ----------------------------------------------------------------------------- reading
 
 
-def read_rows(cfg, manifest: Manifest, split: str, block_shuffle_seed: int | None = None,
-              blocks_per_slot: int = 2) -> ray.data.Dataset:
+def read_rows(cfg, manifest: Manifest, split: str, block_shuffle_seed: int | None = None) -> ray.data.Dataset:
     """Encoded rows of ``split`` (train | val | test) for ``data.datasets``; val rows get role query.
 
     With ``block_shuffle_seed`` (data.shuffle=block) every execution reads the shards in a new order and
     permutes the rows of each block it reads (:func:`_block_permutation`), in the read task itself.
-    ``blocks_per_slot``: see :func:`read_blocks`.
     """
     stored = schema.TEST if split == schema.TEST else schema.TRAIN
     ranges = {name: _bounds(label_range(manifest, name, split, cfg.data.val_fraction))
@@ -138,8 +135,7 @@ def read_rows(cfg, manifest: Manifest, split: str, block_shuffle_seed: int | Non
     _check_shard_schema(paths[0])
     files = None if block_shuffle_seed is None else \
         FileShuffleConfig(block_shuffle_seed, reseed_after_execution=True)
-    blocks = read_blocks(cfg, len(paths), blocks_per_slot)
-    ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri), blocks, files)
+    ds = _read_parquet(paths, storage.ray_filesystem(manifest.uri), read_blocks(cfg, len(paths)), files)
     ds = ds.select_columns(READ_COLUMNS)
     role = schema.QUERY if split == schema.VAL else None
     shots = _shots(cfg, manifest, ranges) if split == schema.TRAIN else None
@@ -179,12 +175,9 @@ def count_rows(cfg, manifest: Manifest, split: str) -> int:
     return total
 
 
-def read_blocks(cfg, shards: int, per_slot: int = 2) -> int:
-    """Blocks to read ``shards`` Parquet files into: ``per_slot`` per decode task the cluster runs at once,
-    and at least two per shard (a shard holds up to 256 MiB of images: blocks stay within Ray's 128 MiB
-    target). The global shuffle reads one block per slot: it makes blocks x blocks objects, and on the
-    bench's 1,000 large photos (4 slots) 8 blocks cost 12.5 CPU-seconds per training pass where 4 cost
-    12.0 (median of 4 passes, two runs each; eval, with no shuffle, showed no difference).
+def read_blocks(cfg, shards: int) -> int:
+    """Blocks to read ``shards`` Parquet files into: two per decode task the cluster runs at once, and at
+    least two per shard (a shard holds up to 256 MiB of images: blocks stay within Ray's 128 MiB target).
 
     Left to itself Ray splits the read into blocks of about 1 MB: 5-10 photos of 1,000 px, 50 of the CUB
     sample. Each block is a decode task's input, so the tasks' fixed costs were paid every few rows, and
@@ -193,7 +186,7 @@ def read_blocks(cfg, shards: int, per_slot: int = 2) -> int:
     decoding them.
     """
     slots = float(ray.cluster_resources().get("CPU", 1.0)) / cfg.data.num_decode_cpus
-    return max(2 * shards, per_slot * math.ceil(slots))
+    return max(2 * shards, 2 * math.ceil(slots))
 
 
 def _read_parquet(paths: list[str], filesystem, num_blocks: int | None = None,
@@ -344,8 +337,7 @@ def train_dataset(cfg, manifest: Manifest, label_map: LabelMap, mean: Sequence[f
     first execution is epoch 1's (:func:`start_at_epoch` moves it)."""
     _check_label_map(cfg, manifest, label_map)
     block = cfg.data.shuffle == "block"
-    rows = read_rows(cfg, manifest, schema.TRAIN, block_shuffle_seed=cfg.train.seed if block else None,
-                     blocks_per_slot=GLOBAL_SHUFFLE_BLOCKS_PER_SLOT if cfg.data.shuffle == "global" else 2)
+    rows = read_rows(cfg, manifest, schema.TRAIN, block_shuffle_seed=cfg.train.seed if block else None)
     seed = RandomSeedConfig(seed=cfg.train.seed, reseed_after_execution=True)
     if cfg.data.shuffle == "global":
         rows = rows.random_shuffle(seed=seed)
