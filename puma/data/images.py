@@ -60,6 +60,7 @@ class ViewSpec:
     min_size: int = 16
     seed: int = 0
     draft: bool = True  # JPEGs at a reduced DCT scale when the view needs far fewer pixels (data.jpeg_draft)
+    crop_draft: bool = False  # training views at the DCT scale of their own crop (data.crop_draft)
     on_worker: bool = False  # plain JPEGs leave as bytes and a crop plan (data.decode_on=worker)
 
 
@@ -80,11 +81,12 @@ def view_spec(cfg, train: bool, normalisation: Normalisation | None = None,
               min_size: int | None = None) -> ViewSpec:
     """The train or eval view of ``cfg``: model.backbone.img_size, the backbone's mean / std (unless
     ``normalisation`` is given), data.min_image_size (unless ``min_size`` is), train.seed, data.jpeg_draft,
-    data.decode_on."""
+    data.crop_draft, data.decode_on."""
     mean, std = normalisation or backbone_normalisation(cfg)
     return ViewSpec(img_size=cfg.model.backbone.img_size, mean=tuple(mean), std=tuple(std), train=train,
                     min_size=cfg.data.min_image_size if min_size is None else min_size, seed=cfg.train.seed,
-                    draft=cfg.data.jpeg_draft, on_worker=cfg.data.decode_on == "worker")
+                    draft=cfg.data.jpeg_draft, crop_draft=cfg.data.crop_draft,
+                    on_worker=cfg.data.decode_on == "worker")
 
 
 def eval_view_spec(cfg, min_size: int | None = None) -> ViewSpec:
@@ -286,7 +288,7 @@ def _view_image(data: bytes, spec: ViewSpec, rng: np.random.Generator | None) ->
     """The train or eval view of ``data`` as an RGB PIL image of img_size x img_size."""
     if spec.train:
         rng = rng if rng is not None else np.random.default_rng()
-        if spec.draft:
+        if spec.draft and spec.crop_draft:
             view = _drafted_train_view(data, spec, rng)
             if view is not None:
                 return view
