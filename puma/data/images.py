@@ -117,12 +117,17 @@ def _rejects_bad_bytes() -> Iterator[None]:
         raise ImageRejected("truncated" if truncated else "corrupt", text) from exc
 
 
+def check_min_size(size: tuple[int, int], min_size: int) -> None:
+    """Reject (tiny) an image whose shorter side is below ``min_size`` (data.min_image_size)."""
+    if min(size) < min_size:
+        raise ImageRejected("tiny", f"{size[0]}x{size[1]} < {min_size} px")
+
+
 def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> Image.Image:
     """RGB image from encoded bytes; raises ImageRejected (corrupt, truncated, tiny, too_large)."""
     with _rejects_bad_bytes():
         img = Image.open(io.BytesIO(data))
-        if min(img.size) < min_size:
-            raise ImageRejected("tiny", f"{img.size[0]}x{img.size[1]} < {min_size} px")
+        check_min_size(img.size, min_size)
         if draft_side and img.format == "JPEG":
             img.draft(None, (draft_side, draft_side))
         img.load()
@@ -221,7 +226,11 @@ def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
 
 def train_view(img: Image.Image, img_size: int, rng: np.random.Generator) -> Image.Image:
     """RandomResizedCrop(img_size, scale 0.2-1, bicubic) then a horizontal flip with p = 0.5."""
-    box = random_resized_crop_box(img.width, img.height, rng)
+    return _crop_flip(img, random_resized_crop_box(img.width, img.height, rng), img_size, rng)
+
+
+def _crop_flip(img: Image.Image, box, img_size: int, rng: np.random.Generator) -> Image.Image:
+    """``box`` of ``img`` resampled to img_size x img_size (bicubic), mirrored with p = 0.5 from ``rng``."""
     out = img.resize((img_size, img_size), Image.Resampling.BICUBIC, box=box)
     return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else out
 
@@ -292,7 +301,7 @@ def _view_image(data: bytes, spec: ViewSpec, rng: np.random.Generator | None) ->
             view = _drafted_train_view(data, spec, rng)
             if view is not None:
                 return view
-        draft = math.ceil(spec.img_size * 2.6) if spec.draft else None  # PNGs, rotated JPEGs: a fixed side
+        draft = math.ceil(spec.img_size * 2.6) if spec.draft else None  # a fixed side for every crop
         return train_view(decode_image(data, spec.min_size, draft_side=draft), spec.img_size, rng)
     draft = eval_resize_size(spec.img_size) if spec.draft else None
     return eval_view(decode_image(data, spec.min_size, draft_side=draft), spec.img_size)
@@ -308,8 +317,7 @@ def _drafted_train_view(data: bytes, spec: ViewSpec, rng: np.random.Generator) -
     """
     with _rejects_bad_bytes():
         img = Image.open(io.BytesIO(data))
-        if min(img.size) < spec.min_size:
-            raise ImageRejected("tiny", f"{img.size[0]}x{img.size[1]} < {spec.min_size} px")
+        check_min_size(img.size, spec.min_size)
         if img.format != "JPEG" or _orientation(img) != 1:
             return None
         full = img.size
@@ -318,9 +326,7 @@ def _drafted_train_view(data: bytes, spec: ViewSpec, rng: np.random.Generator) -
         img.load()
         img = to_rgb(img)
     sx, sy = full[0] / img.width, full[1] / img.height
-    out = img.resize((spec.img_size, spec.img_size), Image.Resampling.BICUBIC,
-                     box=(box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy))
-    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else out
+    return _crop_flip(img, (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy), spec.img_size, rng)
 
 
 def draft_for_box(img: Image.Image, box: tuple[float, float, float, float], img_size: int) -> None:
@@ -354,8 +360,7 @@ def plan_worker_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | Non
         img = Image.open(io.BytesIO(data))
         plain = img.format == "JPEG" and img.mode in ("RGB", "L") and _orientation(img) == 1
         size = img.size
-    if min(size) < spec.min_size:
-        raise ImageRejected("tiny", f"{size[0]}x{size[1]} < {spec.min_size} px")
+    check_min_size(size, spec.min_size)
     if not plain:
         out = io.BytesIO()
         _view_image(data, spec, rng).save(out, format="PNG", compress_level=1)
