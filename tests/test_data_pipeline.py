@@ -386,6 +386,29 @@ def test_reject_log_keeps_one_row_per_item_under_retries(ray_cluster, prepared):
     assert [r["item_id"] for r in written] == ["cub/x.jpg", "cub/y.jpg"]
 
 
+def test_reject_log_outlives_the_stream_that_created_it(ray_cluster, prepared):
+    """A finished stream's Dataset is dropped before the next stream starts: its rejects stay listed
+    (the actor died with the only handle before, and the next stream met a dead or empty actor)."""
+    import gc
+    import time
+
+    from puma.data.rejects import read_rejects
+
+    root, manifest, _ = prepared
+    cfg = _cfg(root, f"data.rejects_uri={root / 'dropped-rejects.jsonl'}")
+    log = pipeline.reject_log(cfg, manifest)
+    actor_id = log._actor_id
+    row = {"item_id": "cub/z.jpg", "dataset": "cub", "reason": "tiny", "stage": "decode"}
+    assert ray_cluster.get(log.record.remote([row])) == 1
+    del log
+    gc.collect()
+    time.sleep(2.0)  # time for Ray to destroy an actor whose handles are all gone
+    again = pipeline.reject_log(cfg, manifest)
+    assert again._actor_id == actor_id
+    assert "cub/z.jpg" in {r["item_id"] for r in ray_cluster.get(again.rows.remote())}
+    assert "cub/z.jpg" in {r["item_id"] for r in read_rejects(str(root / "dropped-rejects.jsonl"))}
+
+
 def test_a_shard_with_the_wrong_schema_is_a_clear_error(ray_cluster, prepared, tmp_path):
     import json
     import shutil

@@ -108,13 +108,25 @@ def rejects_uri(cfg) -> str:
     return storage.absolute(cfg.data.rejects_uri or default)
 
 
+# (Ray job id, rejects uri) -> the RejectLog handle this process keeps for the job's lifetime
+_REJECT_LOGS: dict[tuple[str, str], ray.actor.ActorHandle] = {}
+
+
 def reject_log(cfg, manifest: Manifest):
-    """The RejectLog actor for this config's rejects file (created once per file and Ray session)."""
+    """The RejectLog actor for this config's rejects file (created once per file and Ray job).
+
+    The process that creates it keeps its handle for the job's lifetime: a non-detached actor dies with
+    its creator's last handle, so a Dataset that held the only one (a finished train stream) would take
+    the actor, and the rejects it holds, with it while the next stream looked it up by name."""
     uri = rejects_uri(cfg)
-    names = set(manifest.select(cfg.data.datasets))
-    initial = [r for r in read_rejects(manifest.rejects_uri) if r["dataset"] in names]
-    name = "puma-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16]
-    return RejectLog.options(name=name, get_if_exists=True).remote(uri, storage.current_config(), initial)
+    key = (ray.get_runtime_context().get_job_id(), uri)
+    if key not in _REJECT_LOGS:
+        names = set(manifest.select(cfg.data.datasets))
+        initial = [r for r in read_rejects(manifest.rejects_uri) if r["dataset"] in names]
+        name = "puma-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16]
+        _REJECT_LOGS[key] = RejectLog.options(name=name, get_if_exists=True).remote(
+            uri, storage.current_config(), initial)
+    return _REJECT_LOGS[key]
 
 
 # ----------------------------------------------------------------------------- reading
