@@ -22,18 +22,24 @@ is what each pipeline costs, whatever its parallelism; rows/s is the wall-clock 
 ratios are over the DataLoader reading from the same storage (torch-s3 for ray-s3, torch-local for the
 rest): on S3 both pay the server's CPU (SeaweedFS runs on this machine), so ray-s3 against torch-local
 (also given) counts the server's work against Ray Data alone. The best of --epochs passes is
-reported, after an untimed pass of each view through Ray and through each DataLoader (without it the
-first Ray setting also paid for the worker processes' start: 0.53x against S3's 0.85x on the same
-photos).
+a setting's figure in a round, after an untimed pass of each view through Ray and through each
+DataLoader (without it the first Ray setting also paid for the worker processes' start: 0.53x
+against S3's 0.85x on the same photos).
 Every Ray pass is a new execution of the Dataset, as every epoch is, and pays its start-up once (the
 executor, its operators' serialised transforms, the shuffle's barrier: about 0.3 CPU-seconds here);
 the DataLoader keeps its workers between passes (persistent_workers). 4,000 photos per set (2,000
 rows per training pass: the training split) keep that start-up a few per cent of a pass; at 1,000
 it was about 10-30% of a Ray pass, more than a real epoch of the eight datasets ever pays.
+Rounds (--rounds): every setting of a photo set and view runs once per round, in the reverse order
+on every other round, and each round's ratios are over that round's DataLoader; the table gives the
+median of the rounds' figures and the range of the ratios. This machine drifts by 10-15% between
+passes minutes apart (the same DataLoader pass: 97 and 113 rows per core-second), more than the
+differences it is asked to show, so a single round cannot tell 0.98x from 1.05x.
 With --train-record (bench/results/train_gpu.json by default), the table
 also gives how many cores at that rate feed one GPU's training step.
 
-  python bench/bench_data.py [--images 4000] [--img-size 224] [--epochs 2] [--sets cub large] [key=value ...]
+  python bench/bench_data.py [--images 4000] [--img-size 224] [--epochs 2] [--rounds 3] [--sets cub large]
+                             [key=value ...]
 """
 
 from __future__ import annotations
@@ -76,7 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sets", nargs="+", default=["cub", "large"], choices=["cub", "large"])
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--max-side", type=int, default=512, help="data.prepare_max_side of ray-local-shrunk")
-    parser.add_argument("--epochs", type=int, default=2, help="passes per setting (the best is reported)")
+    parser.add_argument("--epochs", type=int, default=2,
+                        help="passes per setting and round (the best counts)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every setting (medians and the ratios' range are reported)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="DataLoader workers")
     parser.add_argument("--s3-endpoint", default="", help="S3 endpoint to use (default: start SeaweedFS)")
@@ -348,19 +357,27 @@ def run_set(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
 
     for train in (False, True):  # untimed: Ray's workers start and import what each view needs
         ray_setting(ray_config("local", []), manifests["local"], train, 1)
+
+    def runs(train: bool) -> list[tuple[str, object]]:  # (setting, a function that times it)
+        view = "train" if train else "eval"
+        local, remote = items[view], s3_items[view]
+        out = [(setting, lambda w=where, e=extra: ray_setting(ray_config(w, e), manifests[w], train,
+                                                              args.epochs))
+               for setting, where, extra in settings]
+        out += [("torch-local", lambda: torch_setting(local, args.img_size, train, args)),
+                ("torch-s3", lambda: torch_setting(remote, args.img_size, train, args, bucket=BUCKET))]
+        if name == "large":
+            out.append(("torch-local-full",
+                        lambda: torch_setting(local, args.img_size, train, args, draft=False)))
+        return out
+
     rows = []
     for train in (False, True):
         view = "train" if train else "eval"
-        for setting, where, extra in settings:
-            result = ray_setting(ray_config(where, extra), manifests[where], train, args.epochs)
-            rows.append(_row(name, pixels, setting, view, result))
-        result = torch_setting(items[view], args.img_size, train, args)
-        rows.append(_row(name, pixels, "torch-local", view, result))
-        result = torch_setting(s3_items[view], args.img_size, train, args, bucket=BUCKET)
-        rows.append(_row(name, pixels, "torch-s3", view, result))
-        if name == "large":
-            rows.append(_row(name, pixels, "torch-local-full", view,
-                             torch_setting(items[view], args.img_size, train, args, draft=False)))
+        for round_ in range(args.rounds):  # reversed every other round: drift over a round cancels
+            order = runs(train) if round_ % 2 == 0 else runs(train)[::-1]
+            rows += [{**_row(name, pixels, setting, view, timed()), "round": round_}
+                     for setting, timed in order]
     return rows
 
 
@@ -393,11 +410,11 @@ def baseline(setting: str) -> str:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per photo set and view: each setting's rows per core-second (and rows/s) over its baseline's, and
-    every S3 row's also over torch-local's (what reading from S3 costs against local files)."""
+    """Per photo set, view and round: each setting's rows per core-second (and rows/s) over its baseline's,
+    and every S3 row's also over torch-local's (what reading from S3 costs against local files)."""
     def base(row: dict, setting: str) -> dict:
-        return next(r for r in rows if (r["photos"], r["view"], r["setting"]) ==
-                    (row["photos"], row["view"], setting))
+        return next(r for r in rows if (r["photos"], r["view"], r.get("round", 0), r["setting"]) ==
+                    (row["photos"], row["view"], row.get("round", 0), setting))
 
     out = []
     for row in rows:
@@ -409,17 +426,38 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+MEDIAN_KEYS = ("rows_per_s", "rows_per_core_s", "cores", "per_core_vs_torch", "rate_vs_torch",
+               "per_core_vs_torch_local")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (photo set, view, setting): the median over rounds of each figure, and the range of
+    the per-core ratio over the rounds (``per_core_vs_torch_min`` / ``_max``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["photos"], row["view"], row["setting"]), []).append(row)
+    out = []
+    for group in groups.values():
+        first = {k: v for k, v in group[0].items() if k != "round"}
+        ratio = [r["per_core_vs_torch"] for r in group]
+        out.append({**first, **{k: float(np.median([r[k] for r in group])) for k in MEDIAN_KEYS},
+                    "rounds": len(group), "per_core_vs_torch_min": min(ratio),
+                    "per_core_vs_torch_max": max(ratio)})
+    return out
+
+
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    rows = ratios(rows)
+    per_round = ratios(rows)
+    rows = medians(per_round)
     gpu_rate, gpu_name = gpu_images_per_s(args.train_record)
     lines = ["| photos (mean side) | view | setting | rows/s | rows per core-second | cores busy | "
-             "per core vs DataLoader (same storage) | rows/s vs DataLoader (same storage) | "
+             "per core vs DataLoader (same storage), median [range] | rows/s vs DataLoader (same storage) | "
              "S3 rows: per core vs torch-local |" + (" cores per GPU |" if gpu_rate else ""),
              "|---" * (9 + bool(gpu_rate)) + "|"]
     for r in rows:
         local = f"{r['per_core_vs_torch_local']:.2f}x" if r["baseline"] == "torch-s3" else "-"
         cells = [f"{r['photos']} ({r['mean_side_px']} px)", r["view"], r["setting"], f"{r['rows_per_s']:.1f}",
-                 f"{r['rows_per_core_s']:.1f}", f"{r['cores']:.2f}", f"{r['per_core_vs_torch']:.2f}x",
+                 f"{r['rows_per_core_s']:.1f}", f"{r['cores']:.2f}", _ratio_cell(r),
                  f"{r['rate_vs_torch']:.2f}x", local]
         if gpu_rate:
             r["cores_per_gpu"] = gpu_rate / r["rows_per_core_s"]
@@ -427,7 +465,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     notes = (f"{args.images} photos per set at {args.img_size} px, batch {args.batch_size}, "
-             f"best of {args.epochs} passes, Ray overrides {args.overrides or 'none'}, "
+             f"best of {args.epochs} passes per round, medians of {args.rounds} round(s), "
+             f"Ray overrides {args.overrides or 'none'}, "
              f"DataLoader workers {args.workers}, "
              f"{os.cpu_count()} logical CPUs; shrunk: data.prepare_max_side={args.max_side}")
     if gpu_rate:
@@ -435,9 +474,16 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
                   f"({Path(args.train_record).name}) over the row's rows per core-second")
     print(f"\n{notes}\n{text}")
     if args.record:
-        payload = {"rows": rows, "notes": notes, "gpu_images_per_s": gpu_rate}
+        payload = {"rows": rows, "rounds": per_round, "notes": notes, "gpu_images_per_s": gpu_rate}
         record(args.record, payload, notes + "\n\n" + text,
                title="Data pipeline: rows per CPU core, Ray Data vs a PyTorch DataLoader")
+
+
+def _ratio_cell(row: dict) -> str:
+    if row["rounds"] < 2 or row["setting"] == row["baseline"]:
+        return f"{row['per_core_vs_torch']:.2f}x"
+    low, high = row["per_core_vs_torch_min"], row["per_core_vs_torch_max"]
+    return f"{row['per_core_vs_torch']:.2f}x [{low:.2f}-{high:.2f}]"
 
 
 if __name__ == "__main__":
