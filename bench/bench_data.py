@@ -249,7 +249,8 @@ def upload_photos(items, root: str, bucket: str, prefix: str) -> list[tuple[str,
 def torch_setting(items, img_size: int, train: bool, args, draft: bool = True, bucket: str = "") -> Pass:
     from torch.utils.data import DataLoader
 
-    view = ViewSpec(img_size, MEAN, STD, train=train, draft=draft)
+    crop_draft = load_config(None, list(args.overrides)).data.crop_draft  # the same training view as Ray's
+    view = ViewSpec(img_size, MEAN, STD, train=train, draft=draft, crop_draft=draft and crop_draft)
     dataset = S3FileDataset(items, view, bucket) if bucket else FileDataset(items, view)
     # spawned workers: a worker forked from this process (a Ray driver) shares its GCS connection, and
     # one that touched it left the driver's calls hanging ("Missing :authority header")
