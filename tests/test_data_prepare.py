@@ -353,5 +353,5 @@ def test_train_view_decodes_jpegs_at_the_scale_of_their_own_crop(tmp_path):
     drafted = [g for n in ("c1/big_1.jpg", "c0/big_2.jpg", "c1/big_3.jpg") for g in gaps[n]]
     assert sum(g > 0 for g in drafted) >= len(drafted) // 2, drafted  # most crops of 825 px keep 2 x 224
     assert max(drafted) < 0.04, drafted  # measured 0.006-0.023 (15 of 18 drafted); another crop: 0.27-0.51
-    assert load_config(None, []).data.crop_draft is False  # opt-in (docs/recipe.md)
-    assert load_config(None, ["data.crop_draft=true"]).data.crop_draft is True
+    assert load_config(None, []).data.crop_draft is True  # the default (docs/recipe.md)
+    assert load_config(None, ["data.crop_draft=false"]).data.crop_draft is False

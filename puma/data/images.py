@@ -60,7 +60,7 @@ class ViewSpec:
     min_size: int = 16
     seed: int = 0
     draft: bool = True  # JPEGs at a reduced DCT scale when the view needs far fewer pixels (data.jpeg_draft)
-    crop_draft: bool = False  # training views at the DCT scale of their own crop (data.crop_draft)
+    crop_draft: bool = True  # training views at the DCT scale of their own crop (data.crop_draft)
     on_worker: bool = False  # plain JPEGs leave as bytes and a crop plan (data.decode_on=worker)
 
 
