@@ -15,7 +15,7 @@ are nearly parallel (cosine 0.75-0.93 on the demo data), so against random keys 
 for every image and the pool hands every image nearly the same prompt; :meth:`init_from_queries` sets
 c to the queries' mean and the keys to their top principal directions, so alpha varies across images
 from the first step (std over images 0.13 against 0.02 on the demo data). It did not score better
-at the demo's budget (docs/recipe.md, "The prompt pool at this budget"); random stays the default.
+at the demo's budget, with Np = 8 or Np = 1 (docs/recipe.md); random stays the default.
 """
 
 from __future__ import annotations
