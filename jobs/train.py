@@ -23,13 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from puma import storage
     from puma.runtime import init_ray, joins_cluster
-    from puma.train.driver import check_inputs, check_placement, run_training
+    from puma.train.driver import check_inputs, check_placement, check_placement_before_ray, run_training
     from puma.train.report import recall_table
 
     storage.preflight(cfg.storage, inputs=[cfg.model.backbone.weights],  # before Ray: one-line errors
                       outputs=[cfg.data.uri, cfg.data.source_root, cfg.train.storage_path,
                                cfg.data.rejects_uri])
     check_inputs(cfg)  # a config or weights file that cannot work fails before Ray starts
+    check_placement_before_ray(cfg)  # so does a worker group a local Ray could never hold
     print(f"[puma] Ray: {init_ray()}", flush=True)
     check_placement(cfg, local=not joins_cluster())  # a worker group that can never start: said now
     outcome = run_training(cfg)

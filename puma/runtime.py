@@ -66,7 +66,7 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
         where = f"cluster at {address}"
     else:
         check_local_ports()
-        cpus = local_cpus or max(4, os.cpu_count() or 1)
+        cpus = local_cpus or default_local_cpus()
         temp_dir = os.environ.get("PUMA_RAY_TMP", os.path.join(tempfile.gettempdir(), "ray-puma"))
         check_temp_dir(temp_dir)
         try:
@@ -78,6 +78,22 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
     route_worker_output(verbose)
     logs = _session_logs()
     return where + (f"; Ray's own logs: {logs} (--verbose shows them here)" if logs and not verbose else "")
+
+
+def default_local_cpus() -> int:
+    """Logical CPUs of the local Ray that init_ray starts: the machine's, and at least 4."""
+    return max(4, os.cpu_count() or 1)
+
+
+def local_node_resources() -> dict[str, float]:
+    """What the local Ray that init_ray starts will offer, known before it starts: its logical CPUs
+    and the GPUs CUDA makes visible (Ray counts the same ones)."""
+    import torch
+
+    resources = {"CPU": float(default_local_cpus())}
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        resources["GPU"] = float(torch.cuda.device_count())
+    return resources
 
 
 def joins_cluster() -> bool:

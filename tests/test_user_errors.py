@@ -368,15 +368,18 @@ def test_a_worker_group_the_nodes_cannot_hold_is_named_with_what_they_hold(train
 
 
 def _local_ray_user_error(script: str, *args: str) -> str:
-    """``python <script> args`` on a local Ray in a short temp folder of its own (Ray's socket paths:
-    < 108 bytes), failing as a user error: exit 2 and one stderr line, which is returned."""
+    """``python <script> args`` that would start a local Ray in a short temp folder of its own (Ray's
+    socket paths: < 108 bytes), failing as a user error before that Ray starts (no Ray session folder
+    is made): exit 2 and one stderr line, which is returned."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PUMA_RAY_TMP"] = ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")
     try:
         done = subprocess.run([sys.executable, str(REPO / script), *args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
+        sessions = list(Path(ray_tmp).glob("session_*"))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not sessions and "[puma" not in done.stdout, f"Ray started: {sessions} {done.stdout[-1000:]}"
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                       outputs=[cfg.data.uri, cfg.sweep.storage_path, cfg.train.storage_path])
     plan = plan_sweep(cfg)  # every check that needs no Ray: nothing starts if this fails
     from puma.runtime import init_ray, joins_cluster
-    from puma.train.driver import check_placement
+    from puma.train.driver import check_placement, check_placement_before_ray
 
+    check_placement_before_ray(cfg)  # a trial's worker group a local Ray could never hold: said now
     print(f"[puma.sweep] Ray: {init_ray()}", flush=True)
     check_placement(cfg, local=not joins_cluster())  # each trial's worker group must fit the cluster
     outcome = run_sweep(plan)

@@ -65,11 +65,12 @@ def _amounts(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
 
 
-def check_placement(cfg: Config, local: bool) -> None:
-    """The worker group against the cluster's alive nodes, before Ray Train waits for it (silently, for
-    ever): on a local Ray, where no node will join, a ConfigError saying what to lower; on a joined
-    cluster a notice, as an autoscaler may still add nodes."""
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+def check_placement(cfg: Config, local: bool, nodes: list[dict[str, float]] | None = None) -> None:
+    """The worker group against the cluster's alive nodes (``nodes``: given instead of asked of Ray),
+    before Ray Train waits for it (silently, for ever): on a local Ray, where no node will join, a
+    ConfigError saying what to lower; on a joined cluster a notice, as an autoscaler may still add nodes."""
+    if nodes is None:
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
     why = placement_shortfall(cfg, nodes)
     if why is None:
         return
@@ -78,6 +79,16 @@ def check_placement(cfg: Config, local: bool) -> None:
                           "train.worker_resources, or join a larger cluster with RAY_ADDRESS")
     console.say(f"waiting for nodes: {why}; the run starts once nodes that can hold them join (an "
                 "autoscaler adds them), Ctrl-C stops it")
+
+
+def check_placement_before_ray(cfg: Config) -> None:
+    """check_placement before Ray starts, when the job will start a local Ray: against the node that Ray
+    will be (puma.runtime.local_node_resources), so a worker group it can never hold fails in seconds,
+    not after Ray's start. Joining a cluster, nothing here: its nodes are asked once joined."""
+    from puma.runtime import joins_cluster, local_node_resources
+
+    if not joins_cluster():
+        check_placement(cfg, local=True, nodes=[local_node_resources()])
 
 
 def data_config(cfg: Config) -> ray.train.DataConfig:
