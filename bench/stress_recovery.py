@@ -72,7 +72,7 @@ def prepare_data(root: Path) -> str:
 def write_config(path: Path, data: str, runs: str, workers: int) -> Path:
     cfg = {"model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                      "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-           "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8},
+           "data": {"uri": data, "preset": "", "decode_batch_size": 8},
            "train": {"epochs": EPOCHS, "batch_size": 8, "num_workers": workers, "cpus_per_worker": 0.5,
                      "storage_path": runs, "run_name": "run", "max_failures": 4, "checkpoints_to_keep": KEEP},
            "eval": {"batch_size": 32}}

@@ -151,8 +151,7 @@ def tiny_run(tmp_path_factory) -> Path:
     prepare([SourceSpec("folder", "flowers", str(photos))], str(root / "prepared"), log=lambda _: None)
     cfg = {"model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                      "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-           "data": {"uri": str(root / "prepared"), "preset": "", "num_decode_cpus": 0.25,
-                    "decode_batch_size": 8},
+           "data": {"uri": str(root / "prepared"), "preset": "", "decode_batch_size": 8},
            "train": {"epochs": 2, "batch_size": 8, "cpus_per_worker": 0.5, "storage_path": str(root / "runs"),
                      "run_name": "console", "max_failures": 0},
            "eval": {"batch_size": 8}}

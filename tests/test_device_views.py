@@ -204,7 +204,7 @@ def test_training_with_decoding_on_the_worker_follows_the_tasks_run(ray_cluster,
         cfg_file.write_text(yaml.safe_dump({
             "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                       "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-            "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8,
+            "data": {"uri": data, "preset": "", "decode_batch_size": 8,
                      "deterministic": True, **data_cfg},  # rows in the same order in both runs
             "train": {"epochs": 2, "batch_size": 8, "cpus_per_worker": 0.5, "eval_every": 2,
                       "eval_before": False, "storage_path": str(tmp_path / "runs"), "run_name": name}}))

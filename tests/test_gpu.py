@@ -142,7 +142,7 @@ def test_the_training_job_runs_on_the_gpu_over_nccl_and_its_checkpoint_loads_on_
     cfg_file.write_text(yaml.safe_dump({
         "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                   "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-        "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8,
+        "data": {"uri": data, "preset": "", "decode_batch_size": 8,
                  "decode_on": decode_on},
         "train": {"epochs": 2, "batch_size": 8, "cpus_per_worker": 0.5, "use_gpu": True,
                   "gpus_per_worker": 1.0, "precision": "bf16", "storage_path": str(tmp_path / "runs"),

@@ -162,7 +162,7 @@ def train_config(path: Path, cluster: TwoNodes, data: str, run: str, epochs: int
     path.write_text(yaml.safe_dump({
         "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                   "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-        "data": {"uri": data, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8,
+        "data": {"uri": data, "preset": "", "decode_batch_size": 8,
                  "deterministic": True},
         "train": {"epochs": epochs, "batch_size": 8, "num_workers": 2, "cpus_per_worker": 0.5,
                   "storage_path": f"s3://{BUCKET}/runs", "run_name": run, "max_failures": 3, **train},

@@ -47,7 +47,7 @@ def tiny_config(path: Path, data_uri: str, storage_path: str, epochs: int, run_n
         "model": {"backbone": dict(TINY_BACKBONE),
                   "adapter": {"rank": 8}, "prompt_pool": {"pool_size": 4, "length": 2},
                   "head": {"embed_dim": 16}},
-        "data": {"uri": data_uri, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 8},
+        "data": {"uri": data_uri, "preset": "", "decode_batch_size": 8},
         "train": {"epochs": epochs, "batch_size": 8, "cpus_per_worker": 0.5, "storage_path": storage_path,
                   "run_name": run_name, "max_failures": 2, **(train or {})},
         "eval": {"batch_size": 32},

@@ -70,7 +70,7 @@ def tiny_config(path: Path, data_uri: str, sweeps: str, runs: str) -> Path:
     cfg = {
         "model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
                   "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-        "data": {"uri": data_uri, "preset": "", "num_decode_cpus": 0.25, "decode_batch_size": 16},
+        "data": {"uri": data_uri, "preset": "", "decode_batch_size": 16},
         "train": {"epochs": EPOCHS, "batch_size": 16, "max_steps_per_epoch": 2, "cpus_per_worker": 0.5,
                   "storage_path": runs, "run_name": "base", "max_failures": 0},
         "eval": {"batch_size": 64},

@@ -322,7 +322,7 @@ def run_config(data_uri: str, storage_path: str, method: str) -> Config:
              "udml_ss": {"num_clusters": 3, "recluster_every": 1, "kmeans_niter": 10}}
     data = to_dict(Config())
     data.update(model=model)
-    data["data"].update(uri=data_uri, preset="", num_decode_cpus=0.25, decode_batch_size=8)
+    data["data"].update(uri=data_uri, preset="", decode_batch_size=8)
     data["train"].update(epochs=2, batch_size=8, max_steps_per_epoch=2, cpus_per_worker=0.5,
                          storage_path=storage_path, run_name=method, eval_every=1)
     return from_dict(data)
