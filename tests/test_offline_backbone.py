@@ -167,10 +167,10 @@ def cub_subset(num_classes: int = 20, per_class: int = 10) -> tuple[list[str], n
     return paths, labels
 
 
-def eval_batch(paths: list[str]) -> torch.Tensor:
-    """(N, 3, 224, 224) images through timm's eval transform with the model's mean/std."""
-    model = timm.create_model(offline.OFFLINE_BACKBONE_NAME, pretrained=False, num_classes=0, img_size=224)
-    cfg = dict(timm.data.resolve_model_data_config(model), input_size=(3, 224, 224))  # cfg says 518
+def eval_batch(paths: list[str], size: int) -> torch.Tensor:
+    """(N, 3, size, size) images through timm's eval transform with the model's mean/std."""
+    model = timm.create_model(offline.OFFLINE_BACKBONE_NAME, pretrained=False, num_classes=0, img_size=size)
+    cfg = dict(timm.data.resolve_model_data_config(model), input_size=(3, size, size))  # cfg says 518
     transform = timm.data.create_transform(**cfg)
     return torch.stack([transform(Image.open(CUB / "images" / p).convert("RGB")) for p in paths])
 
@@ -184,12 +184,13 @@ def embed(model: torch.nn.Module, images: torch.Tensor, batch: int = 50) -> np.n
 
 def test_frozen_recall_at_1_far_above_random_backbone(converted):
     paths, labels = cub_subset()
-    images = eval_batch(paths)
+    size = 168  # half the 224 px cost, as clear a gap (measured 0.555 vs 0.075; 0.52 vs 0.02 at 224 px)
+    images = eval_batch(paths, size)
     r1 = {}
     torch.manual_seed(0)
     for name, state in (("converted", converted), ("random", None)):
-        emb = embed(timm_backbone(state, 224), images)
+        emb = embed(timm_backbone(state, size), images)
         r1[name] = retrieval_metrics(emb, labels, emb, labels, ks=(1,), exclude_self=True)["r@1"]
-    print(f"frozen CUB R@1 (20 classes x 10 images, 224 px): {r1}")
-    assert r1["converted"] > 0.4  # measured 0.52 (0.58 on 20 x 15 images)
-    assert r1["random"] < 0.15  # measured 0.015; chance is about 9 / 199 = 0.045
+    print(f"frozen CUB R@1 (20 classes x 10 images, {size} px): {r1}")
+    assert r1["converted"] > 0.4  # measured 0.555 at 168 px (0.52 at 224 px, 0.58 on 20 x 15 images)
+    assert r1["random"] < 0.15  # measured 0.075 (0.02 at 224 px); chance is about 9 / 199 = 0.045
