@@ -77,7 +77,7 @@ def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpo
     continue from it (Ray's own checkpoint lags storage by up to two there: puma/train/recovery.py).
     Every checkpoint folder is kept (checkpoints_to_keep >= epochs), so the audit reads the complete
     record from storage instead of depending on a watcher's timing."""
-    epochs = 5
+    epochs = 4
     config = tiny_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs,
                          train={"checkpoints_to_keep": epochs, "max_failures": 3})
     run_dir = tmp_path / "runs" / "run"
@@ -99,14 +99,9 @@ def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpo
     assert "best checkpoint" in lineage.output()
 
 
-def test_checkpoint_reloads_and_reproduces_embeddings(ray_cluster, tiny_data, tmp_path):
-    from puma.config import load_config
-    from puma.train.driver import run_training
-
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs=2)
-    outcome = run_training(load_config(config))
-    assert outcome.metrics["epoch"] == 2
-
+def reloads_and_reproduces_embeddings(outcome, tmp_path: Path) -> None:
+    """The run's best and last checkpoints load (verifying their stored probe embeddings), hold exactly
+    the trainable weights, and refuse a different frozen backbone."""
     for uri in (outcome.best_checkpoint, outcome.last_checkpoint):
         model, cfg = load_model(uri)  # verifies the stored probe embeddings itself
         state = read_checkpoint(uri)
@@ -128,11 +123,12 @@ def test_checkpoint_reloads_and_reproduces_embeddings(ray_cluster, tiny_data, tm
         load_model(outcome.best_checkpoint, backbone_weights=str(other))
 
 
-def test_a_run_on_s3_continues_from_its_newest_complete_checkpoint_when_ray_has_none(
+def test_a_run_on_s3_reloads_its_checkpoints_and_continues_from_the_newest_complete_one_when_ray_has_none(
         ray_cluster, s3_server, s3_storage, tiny_data, tmp_path):
-    """Runs and checkpoints on a real S3 server. After two epochs Ray's snapshot is removed (as if Ray
-    had registered nothing before the driver died); the same run with three epochs must continue
-    after epoch 2 from the folders on S3, and best/ must read through its pointer there."""
+    """Runs and checkpoints on a real S3 server. After two epochs the best and last checkpoints reload
+    from S3 and reproduce their embeddings; then Ray's snapshot is removed (as if Ray had registered
+    nothing before the driver died): the same run with three epochs must continue after epoch 2 from
+    the folders on S3, and best/ must read through its pointer there."""
     from puma import storage
     from puma.checkpoint import best_record
     from puma.config import load_config
@@ -143,6 +139,7 @@ def test_a_run_on_s3_continues_from_its_newest_complete_checkpoint_when_ray_has_
     first = run_training(load_config(config, endpoint))
     run = storage.join(s3_storage, "run")
     assert first.metrics["epoch"] == 2 and storage.is_s3(first.last_checkpoint)
+    reloads_and_reproduces_embeddings(first, tmp_path)
     storage.delete(storage.join(run, "checkpoint_manager_snapshot.json"))
 
     second = run_training(load_config(config, [*endpoint, "train.epochs=3"]))
