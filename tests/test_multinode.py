@@ -47,6 +47,8 @@ BUCKET = "multinode"
 # node_a / node_b pin training workers; one embed_slot per node puts one embedding actor on each
 # and one trial_slot per node puts two concurrent sweep trials on different nodes
 HEAD_RESOURCES = {"node_a": 4, "embed_slot": 1, "trial_slot": 1}
+PHOTOS = 8  # per species: 3 training and 3 test species, so 24 of each (6 steps an epoch at batch 4)
+TEST_ITEMS = 3 * PHOTOS
 NODE_B_RESOURCES = {"node_b": 4, "embed_slot": 1, "trial_slot": 1}
 
 
@@ -142,14 +144,14 @@ def cluster(own_s3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def s3_data(cluster, tmp_path_factory) -> str:
-    """6 Oxford-Flowers species x 24 real photos, prepared to Parquet on S3 (3 train / 3 test classes)."""
+    """6 Oxford-Flowers species x PHOTOS real photos, prepared to Parquet on S3 (3 train / 3 test classes)."""
     from puma.data.prepare import prepare
     from puma.data.sources import SourceSpec
 
     root = tmp_path_factory.mktemp("flowers")
     for species in sorted(p for p in FLOWERS.iterdir() if p.is_dir())[:6]:
         (root / species.name).mkdir()
-        for photo in sorted(species.glob("*.jpg"))[:24]:
+        for photo in sorted(species.glob("*.jpg"))[:PHOTOS]:
             shutil.copy(photo, root / species.name / photo.name)
     uri = f"s3://{BUCKET}/data"
     storage.configure(cluster.s3.storage_config)
@@ -287,7 +289,7 @@ def test_training_across_nodes_equals_one_node_and_survives_a_lost_node(cluster,
     spread = train_config(tmp_path / "spread.yaml", cluster, s3_data, "spread", epochs=epochs,
                           placement_strategy="STRICT_SPREAD", **common)
     cluster.ensure_node_b()
-    with killed_at_exit(start_driver(cluster, spread, log)) as driver:  # 18 steps an epoch
+    with killed_at_exit(start_driver(cluster, spread, log)) as driver:  # 6 steps an epoch
         step = wait_for_step(log, 2, epochs, driver, cluster)  # the workers are part-way into epoch 2
         done_at_kill = complete_epochs("spread")
         killed = kill_node(cluster.node_b)
@@ -348,7 +350,7 @@ def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluste
     checkpoint = make_checkpoint(f"s3://{BUCKET}/checkpoint")
     index = f"s3://{BUCKET}/index"
     args = [PYTHON, "jobs/embed.py", "--catalogue", s3_data, f"index.uri={index}",
-            f"embed.checkpoint={checkpoint}", "embed.commit_rows=8", "embed.batch_size=4",
+            f"embed.checkpoint={checkpoint}", "embed.commit_rows=4", "embed.batch_size=4",
             "embed.concurrency=2", "embed.num_cpus=1", "embed.actor_resources={embed_slot: 1}",
             "embed.split=test", "data.decode_batch_size=4",
             f"storage.endpoint_url={cluster.s3.endpoint}", f"storage.region={AWS_TEST_ENV['AWS_REGION']}"]
@@ -376,13 +378,13 @@ def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluste
             pass
     ran_on = embedder_nodes(cluster) - nodes_before
     assert len(ran_on) >= 2, f"the actors must run on both nodes, ran on {ran_on}"
-    assert 8 <= committed < 72, f"the node must be lost mid-run ({committed} of 72 committed)"
+    assert 4 <= committed < TEST_ITEMS, f"the node must be lost mid-run ({committed} of {TEST_ITEMS} done)"
 
     second = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     ids = read_table(storage.join(index, "shards"))["item_id"].to_pylist()
     manifest = read_manifest(index)
-    assert len(ids) == len(set(ids)) == 72 == manifest.total == sum(s.count for s in manifest.shards)
+    assert len(ids) == len(set(ids)) == TEST_ITEMS == manifest.total == sum(s.count for s in manifest.shards)
     assert verify(index).ok
 
 
