@@ -32,6 +32,19 @@ from PIL import Image
 from puma import storage
 from puma.config import RetryConfig, StorageConfig
 
+pytest_plugins = ["budget", "pytester"]  # a time budget per test (tests/budget.py); pytester tests it
+
+# Ray's own knobs, for every Ray this test run starts (in process, `ray start` nodes and job drivers
+# inherit the environment), set before any starts (an explicit setting in the environment wins):
+# - Ray Train's controller polls its workers every 0.5 s instead of 2 s (a finished or lost worker is
+#   seen sooner), and starts no preemption watcher actor (a KubeRay feature) with every run;
+# - a new Ray does not start one idle worker process per logical CPU ahead of any task: on 2 cores
+#   those start-ups (importing Ray, 1-2 CPU seconds each) delay what the test runs (about 4 s a job).
+RAY_TEST_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                "RAY_prestart_worker_first_driver": "0"}
+for _key, _value in RAY_TEST_ENV.items():
+    os.environ.setdefault(_key, _value)
+
 AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "puma-test-access-key",
     "AWS_SECRET_ACCESS_KEY": "puma-test-secret-key-0123456789",
