@@ -176,6 +176,7 @@ RAY_NOISE = re.compile(r"\b(INFO|WARNING|WARN|ERROR|DEBUG)\b|pid=|\(raylet\)|Ray
                        r"Deprecat|Warning:|Traceback|faiss|Execution plan|Dataset |Checkpoint successfully")
 
 
+@pytest.mark.budget(150)  # two jobs/train.py runs with their own local Ray (69 s alone, 91 s)
 def test_training_console_holds_our_lines_once_and_no_ray_noise(tiny_run):
     rc, lines = _train(tiny_run)
     text = "\n".join(lines)

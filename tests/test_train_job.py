@@ -65,6 +65,7 @@ def _last_meta(run_dir: Path) -> dict:
     return max(metas, key=lambda m: m["epoch"])
 
 
+@pytest.mark.budget(200)  # three drivers on a `ray start` cluster (59 s alone, 129 s beside another)
 def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpoint(ray_head, tiny_data,
                                                                                    tmp_path):
     """On a `ray start --head` cluster that outlives the driver, at the worst moment: the driver is

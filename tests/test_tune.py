@@ -237,6 +237,11 @@ def _wait_for_finished_trial(process: subprocess.Popen, sweep_dir: Path, timeout
     raise AssertionError(f"no trial was recorded as finished within {timeout}s (driver rc {process.poll()})")
 
 
+# the budget of every test that needs the killed-and-resumed sweep: whichever runs first pays for it
+# (94 s alone, 154 s beside another module; the best config's training adds 22-34 s)
+SWEEP_BUDGET = pytest.mark.budget(240)
+
+
 @pytest.fixture(scope="module")
 def resumed_sweep(ray_cluster, setup) -> dict:
     """Run the sweep, SIGKILL its driver once a trial is recorded finished, re-run the same command."""
@@ -262,6 +267,7 @@ def resumed_sweep(ray_cluster, setup) -> dict:
             "rows": rows, "results": results, "summary": json.loads((results / "summary.json").read_text())}
 
 
+@SWEEP_BUDGET
 def test_killed_sweep_resumes_without_rerunning_finished_trials(resumed_sweep, setup):
     finished, output = resumed_sweep["finished"], resumed_sweep["output"]
     assert finished and len(resumed_sweep["at_kill"]) < NUM_SAMPLES + 1
@@ -278,6 +284,7 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(resumed_sweep, s
     assert all(r["status"] in ("completed", "stopped early") for r in rows), rows
 
 
+@SWEEP_BUDGET
 def test_restored_trials_continue_from_their_newest_complete_checkpoint(resumed_sweep, setup):
     """Tuner.restore re-runs an unfinished trial's training with its run name: the same rule as a
     re-run driver. No trial writes an epoch twice; each later attempt continues after the newest
@@ -293,6 +300,7 @@ def test_restored_trials_continue_from_their_newest_complete_checkpoint(resumed_
             assert record["after_epoch"] == max(before, default=0), (run.name, record)
 
 
+@SWEEP_BUDGET
 def test_asha_stops_the_bad_trial_early_and_decides_every_trial_by_its_rule(resumed_sweep, setup):
     """The bad lr is stopped at the first rung; every other decision is ASHA's rule applied to the rung
     records in run order (stopped iff below the (1 - 1/rf) percentile of the earlier records), so a
@@ -317,6 +325,7 @@ def test_asha_stops_the_bad_trial_early_and_decides_every_trial_by_its_rule(resu
     assert resumed_sweep["summary"]["best"]["params"]["optim.lr"] == float(best["optim.lr"]) == GOOD_LR
 
 
+@SWEEP_BUDGET
 def test_results_table_plots_and_best_config(resumed_sweep, setup):
     results, rows, summary = resumed_sweep["results"], resumed_sweep["rows"], resumed_sweep["summary"]
     best_value = max(float(r["harmonic/r@1"]) for r in rows)
@@ -338,6 +347,7 @@ def test_results_table_plots_and_best_config(resumed_sweep, setup):
     assert best.train.run_name == "tiny-best"
 
 
+@SWEEP_BUDGET
 def test_best_config_trains_with_jobs_train(resumed_sweep, tmp_path):
     best = resumed_sweep["results"] / "best_config.yaml"
     rc = train_job.main(["--config", str(best), f"train.storage_path={tmp_path}", "train.epochs=1",
@@ -349,6 +359,7 @@ def test_best_config_trains_with_jobs_train(resumed_sweep, tmp_path):
     assert trained["optim"]["lr"] == pytest.approx(params["optim.lr"])
 
 
+@SWEEP_BUDGET
 def test_resume_with_other_settings_is_refused(resumed_sweep, setup):
     changed = load_config(setup["config"], ["train.epochs=3", f"sweep.space_file={setup['space']}"])
     with pytest.raises(SweepError, match=r"other settings; changed: .*'config.train.epochs: 2 -> 3'"):
