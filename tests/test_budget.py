@@ -37,7 +37,7 @@ def test_a_test_over_its_budget_fails_and_says_by_how_much(pytester: pytest.Pyte
     pytester.makepyfile(test_probe=PROBE)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=2, errors=1)  # the slow teardown: passed, then a teardown error
-    for line in ("*test_slow_call took * s (setup * s + call * s), over its budget of 0.2 s*",
+    for line in ("*test_slow_call took * s (setup * s + call * s), over its budget of 0.2 s (load average *",
                  "*test_slow_teardown took * s (setup * s + call * s + teardown * s), over its budget*",
                  "*its own failure*"):  # a test failing by itself keeps its own report, and only it
         result.stdout.fnmatch_lines([line])

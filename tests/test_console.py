@@ -176,7 +176,8 @@ RAY_NOISE = re.compile(r"\b(INFO|WARNING|WARN|ERROR|DEBUG)\b|pid=|\(raylet\)|Ray
                        r"Deprecat|Warning:|Traceback|faiss|Execution plan|Dataset |Checkpoint successfully")
 
 
-@pytest.mark.budget(150)  # two jobs/train.py runs with their own local Ray (69 s alone, 91 s)
+# two jobs/train.py runs with their own local Ray: 58-69 s alone, 83-110 s beside another, 219 s once on CI
+@pytest.mark.budget(240)
 def test_training_console_holds_our_lines_once_and_no_ray_noise(tiny_run):
     rc, lines = _train(tiny_run)
     text = "\n".join(lines)

@@ -275,6 +275,7 @@ def test_a_prepared_catalogue_lists_prepares_rejects_beside_its_own(ray_cluster,
     assert (again.embedded, again.rejected) == (0, 4) and Path(report.rejects_uri).read_text() == text
 
 
+@pytest.mark.budget(120)  # --watch: three polls, two catalogues embedded (37-59 s)
 def test_watch_embeds_each_new_catalogue_once(ray_cluster, checkpoint, tmp_path, capsys):
     prefix = tmp_path / "catalogues"
     image_catalogue(prefix, "one", n_real=3, n_generated=2)

@@ -175,6 +175,7 @@ def item_id_of(service: dict, photo: Path) -> str:
 # ----------------------------------------------------------------------------- tests
 
 
+@pytest.mark.budget(120)  # the module's first: the service's start-up is its set-up (50-56 s)
 def test_health_is_open_and_everything_else_needs_the_token(service):
     status, _, health = call(service, "GET", "healthz", token=None)
     assert status == 200 and health == {"status": "ok", "items": 28, "auth": True, "image_queries": True}
