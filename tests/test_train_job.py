@@ -65,7 +65,7 @@ def _last_meta(run_dir: Path) -> dict:
     return max(metas, key=lambda m: m["epoch"])
 
 
-@pytest.mark.budget(270)  # three drivers on a `ray start` cluster (59 s alone, 64-132 s beside another)
+@pytest.mark.budget(310)  # three drivers on a `ray start` cluster (59 s alone, 64-155 s beside another)
 def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpoint(ray_head, tiny_data,
                                                                                    tmp_path):
     """On a `ray start --head` cluster that outlives the driver, at the worst moment: the driver is
@@ -168,7 +168,7 @@ def ray_head(tmp_path_factory):
         stop_node(head.pid)
 
 
-@pytest.mark.budget(120)  # `ray start --head`, then `ray job submit` of a tiny run (31-55 s)
+@pytest.mark.budget(120)  # `ray start --head`, then `ray job submit` of a tiny run (31-63 s)
 def test_ray_job_submit_runs_training(ray_head, tiny_data, tmp_path):
     address, ray_bin, env = ray_head.address, ray_head.ray_bin, ray_head.env
     config = tiny_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs=1, run_name="job")
