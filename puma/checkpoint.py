@@ -9,6 +9,8 @@ Layout::
     meta.json              epoch, metrics, label map, library versions, optimiser layout, and the
                            sha256 of every other file ("files"); written last: a checkpoint is
                            complete when meta.json is present and every file matches its checksum
+                           (meta.json's presence alone proves nothing: Ray Train uploads a reported
+                           checkpoint's files to storage in no set order)
 
 A run's best checkpoint (``<run>/best``) is replaced atomically on local paths and S3 alike: each
 new best is written to a version folder ``best/<version>/`` and then ``best/current.json`` (one
