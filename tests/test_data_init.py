@@ -157,6 +157,7 @@ def test_loss_and_methods_that_cannot_take_a_data_start_refuse_it_at_load():
         load_config(None, ["model.method=udml_ss", "model.head.init=pca"])
 
 
+@pytest.mark.budget(120)  # two tiny fits (one and two workers) with their data init (33-57 s)
 def test_two_worker_run_starts_from_the_same_head_and_proxies_as_one_process(ray_cluster, tiny_data,  # noqa: F811
                                                                             tmp_path):
     """run_training, 2 workers, no step: the checkpoint holds the prompt pool, head and proxies of the

@@ -189,6 +189,7 @@ def test_killed_job_process_then_rerun_gives_every_item_exactly_once(ray_cluster
     assert verify(str(index)).ok
 
 
+@pytest.mark.budget(100)  # an IVF index trained on a committed sample, then the rest embedded (30-46 s)
 def test_ivf_index_is_trained_once_on_a_sample_that_is_committed_first(ray_cluster, checkpoint, tmp_path):
     first = image_catalogue(tmp_path, "ivf_a", n_real=2, n_generated=48)
     second = image_catalogue(tmp_path, "ivf_b", n_real=0, n_generated=6)
