@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -353,8 +355,10 @@ def _write_tensorboard(loop_config: dict, metrics: dict, epoch: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     run_uri = loop_config["run_uri"]
-    local = run_uri if not storage.is_s3(run_uri) else os.path.join(tempfile.gettempdir(), "puma-tb")
+    local = run_uri if not storage.is_s3(run_uri) else tensorboard_staging(run_uri)
     if local not in _writers:
+        if local != run_uri:  # what an earlier process staged is on S3 already (or from a deleted run)
+            shutil.rmtree(local, ignore_errors=True)
         _writers[local] = SummaryWriter(log_dir=os.path.join(local, "tensorboard"))
     writer = _writers[local]
     for key, value in metrics.items():
@@ -365,4 +369,10 @@ def _write_tensorboard(loop_config: dict, metrics: dict, epoch: int) -> None:
         for path in storage.list_files(os.path.join(local, "tensorboard")):
             rel = os.path.relpath(path, local)
             storage.write_bytes(storage.join(run_uri, rel), storage.read_bytes(path))
+
+
+def tensorboard_staging(run_uri: str) -> str:
+    """The local folder where an S3 run's event files are written before each upload: one per run,
+    so runs on one node (sweep trials) never upload each other's events."""
+    return os.path.join(tempfile.gettempdir(), "puma-tb", hashlib.sha256(run_uri.encode()).hexdigest()[:16])
 
