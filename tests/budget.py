@@ -36,10 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
                                        f"teardown), default {DEFAULT_BUDGET_S:g} s; see tests/budget.py")
 
 
-def stated_budget_s(item: pytest.Item) -> float:
-    """The budget its marker states, 0 without one."""
+def stated_budget_s(item: pytest.Item) -> float | None:
+    """The budget its marker states, None without one."""
     marker = item.get_closest_marker("budget")
-    return float(marker.args[0]) if marker else 0.0
+    return float(marker.args[0]) if marker else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -48,14 +48,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     stated: dict[str, float] = {}
     for item in items:
         path = item.nodeid.split("::", 1)[0]
-        stated[path] = max(stated.get(path, 0.0), stated_budget_s(item))
+        stated[path] = max(stated.get(path, 0.0), stated_budget_s(item) or 0.0)
     items.sort(key=lambda item: -stated[item.nodeid.split("::", 1)[0]])
 
 
 def budget_s(item: pytest.Item) -> float:
     """The test's budget in seconds (its marker or the default), times PUMA_TEST_BUDGET_SCALE."""
-    marker = item.get_closest_marker("budget")
-    seconds = float(marker.args[0]) if marker else DEFAULT_BUDGET_S
+    stated = stated_budget_s(item)
+    seconds = DEFAULT_BUDGET_S if stated is None else stated
     return seconds * float(os.environ.get("PUMA_TEST_BUDGET_SCALE", "1"))
 
 

@@ -9,6 +9,7 @@ so placement can be forced; drivers join with RAY_ADDRESS, as `ray job submit` r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -225,7 +226,7 @@ def attempts(run: str) -> list[dict]:
 
 
 def complete_epochs(run: str) -> list[int]:
-    """Epochs of s3://BUCKET/runs/<run>'s checkpoint folders whose meta.json exists (written last)."""
+    """Epochs of s3://BUCKET/runs/<run>'s complete checkpoint folders (see complete_epochs_at)."""
     return complete_epochs_at(f"s3://{BUCKET}/runs/{run}")
 
 
@@ -234,29 +235,22 @@ def complete_epochs_at(run_uri: str) -> list[int]:
     every file matches the sha256 its meta.json lists. meta.json alone does not mark a complete folder:
     Ray Train uploads a reported checkpoint's files in no set order (a kill right after meta.json
     appeared on S3 once left a folder recovery rightly refused). Tiny files: cheap enough to poll."""
-    from puma.checkpoint import CheckpointError, read_checkpoint
-    from puma.train.recovery import scan_run
+    from puma.train.recovery import complete_folders
 
-    epochs = []
-    for found in scan_run(run_uri, set()):
-        try:
-            if found.epoch is not None and read_checkpoint(found.uri, with_optimizer=True):
-                epochs.append(found.epoch)
-        except (CheckpointError, OSError):
-            continue  # still being written
-    return sorted(epochs)
+    return sorted(found.epoch for found in complete_folders(run_uri))
 
 
 def wait_for_checkpoint(run: str, epoch: int, driver: subprocess.Popen, log: Path, cluster: TwoNodes,
                         timeout: float = 300) -> list[int]:
-    """Block until s3://BUCKET/runs/<run> holds a complete checkpoint of ``epoch`` (its meta.json, written
-    last, is there: complete on storage, maybe not yet registered by Ray); the complete epochs then. If
-    it does not come, the failure shows the cluster's nodes and `ray status` beside the driver's log."""
+    """Block until s3://BUCKET/runs/<run> holds a complete checkpoint of ``epoch`` (complete on storage,
+    maybe not yet registered by Ray); the complete epochs then. If it does not come, the failure shows
+    the cluster's nodes and `ray status` beside the driver's log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = complete_epochs(run)
-        if epoch in done:
-            return done
+        with contextlib.suppress(OSError):  # a folder read while it changed: look again
+            done = complete_epochs(run)
+            if epoch in done:
+                return done
         assert driver.poll() is None, f"the driver exited early:\n{log.read_text()[-3000:]}"
         time.sleep(0.02)
     tail, report = log.read_text(errors="replace")[-3000:], cluster_report(cluster.head)

@@ -355,9 +355,10 @@ def _write_tensorboard(loop_config: dict, metrics: dict, epoch: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     run_uri = loop_config["run_uri"]
-    local = run_uri if not storage.is_s3(run_uri) else tensorboard_staging(run_uri)
+    on_s3 = storage.is_s3(run_uri)
+    local = tensorboard_staging(run_uri) if on_s3 else run_uri
     if local not in _writers:
-        if local != run_uri:  # what an earlier process staged is on S3 already (or from a deleted run)
+        if on_s3:  # what an earlier process staged is on S3 already (or from a deleted run)
             shutil.rmtree(local, ignore_errors=True)
         _writers[local] = SummaryWriter(log_dir=os.path.join(local, "tensorboard"))
     writer = _writers[local]
@@ -365,7 +366,7 @@ def _write_tensorboard(loop_config: dict, metrics: dict, epoch: int) -> None:
         if isinstance(value, (int, float)) and np.isfinite(value):
             writer.add_scalar(key, value, epoch)
     writer.flush()
-    if storage.is_s3(run_uri):
+    if on_s3:
         for path in storage.list_files(os.path.join(local, "tensorboard")):
             rel = os.path.relpath(path, local)
             storage.write_bytes(storage.join(run_uri, rel), storage.read_bytes(path))

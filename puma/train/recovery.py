@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -102,8 +102,8 @@ def scan_run(run_uri: str, registered: set[str]) -> list[Found]:
     return sorted(found, key=lambda f: (-1 if f.epoch is None else f.epoch, f.attempt, f.name), reverse=True)
 
 
-def newest_complete(run_uri: str) -> Found | None:
-    """The newest checkpoint folder of the run whose files all match their checksums (no probe check)."""
+def complete_folders(run_uri: str) -> Iterator[Found]:
+    """The run's checkpoint folders whose files all match their checksums, newest first (no probe check)."""
     for folder in scan_run(run_uri, set()):
         if folder.epoch is None:
             continue
@@ -111,8 +111,12 @@ def newest_complete(run_uri: str) -> Found | None:
             read_checkpoint(folder.uri, with_optimizer=True)
         except CheckpointError:
             continue
-        return folder
-    return None
+        yield folder
+
+
+def newest_complete(run_uri: str) -> Found | None:
+    """The newest checkpoint folder of the run whose files all match their checksums (no probe check)."""
+    return next(complete_folders(run_uri), None)
 
 
 @dataclass
