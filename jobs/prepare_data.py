@@ -6,6 +6,10 @@ Examples:
   python jobs/prepare_data.py --preset paper --source cub=/raw/CUB_200_2011 --source cars=/raw/cars ...
   python jobs/prepare_data.py --preset folder --source /raw/products --name products --class-depth 1
   python jobs/prepare_data.py --preset folder --source /raw/catalogue --class-depth 0   # no labels
+  python jobs/prepare_data.py --preset table --source items.csv --name shop   # item_id,image_uri[,label]
+Tables (.csv, .jsonl, .parquet) name each item's image (relative to the table, absolute, or s3://);
+without labels they prepare an unlabeled catalogue; rows without an item_id or image_uri, or with a
+repeated item_id, are listed in <out>/rejects/prepare.jsonl.
 Re-running with the same inputs writes nothing (shards are content-addressed); S3 settings come
 from storage.* keys and credentials from the standard AWS chain.
 """
@@ -20,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
 
-PRESETS = "demo|cub|cars|sop|inshop|nabirds|dogs|flowers|aircraft|folder|paper"
+PRESETS = "demo|cub|cars|sop|inshop|nabirds|dogs|flowers|aircraft|folder|table|paper"
 
 
 def build_parser():
@@ -31,10 +35,12 @@ def build_parser():
     parser.add_argument("--preset", default=None,
                         help=f"{PRESETS}; comma-separate several (default: data.preset)")
     parser.add_argument("--source", action="append", default=[], metavar="[PRESET=]ROOT",
-                        help="release root (local path or s3://); PRESET=ROOT once per preset when several")
+                        help="release root, or table file for --preset table (local path or s3://); "
+                             "PRESET=ROOT once per preset when several")
     parser.add_argument("--out", default=None, help="output URI (default: data.uri)")
     parser.add_argument("--name", default="",
-                        help="dataset name for --preset folder (default: the root's name)")
+                        help="dataset name for --preset folder or table (default: the root's name, "
+                             "or the table's file name without its suffix)")
     parser.add_argument("--class-depth", type=int, default=1,
                         help="folder layout: folders that name a class; 0: an unlabeled catalogue "
                              "(every image, no labels; trains with model.method=udml_ss)")

@@ -6,6 +6,8 @@ Modules, in the order data flows:
 - ``layouts`` / ``demo`` / ``sources``: converters from official release layouts (CUB, Cars-196,
   SOP, In-Shop, NABirds, Stanford Dogs, Flowers-102, FGVC-Aircraft), a class-per-folder layout and
   Fashion-MNIST IDX files to listings; the presets (``demo``, one per dataset, ``paper``).
+- ``tables``: catalogue tables (CSV, JSONL, Parquet: item_id, image_uri, optional label, dataset,
+  metadata columns) read into rows and rejects, for embedding and for the ``table`` preset.
 - ``prepare``: listings -> Parquet shards + manifest + prepare rejects on any URI;
   ``ensure_prepared(cfg)`` builds the configured preset when it is missing.
 - ``manifest`` / ``stats`` / ``rejects``: the manifest, counts and the Table 1 check, reject files.

@@ -1,8 +1,9 @@
 """Converters from each dataset's official release layout (and a class-per-folder layout) to listings.
 
-Every converter takes the release's root (a local path or s3:// URI), reads only the annotation
-files, and returns a ``DatasetListing``: item ids, labels (training classes first), split and
-role, and where each image's bytes are. Bytes are read later, by ``puma.data.prepare``.
+Every converter takes the release's root (a local path or s3:// URI; for a catalogue table, the
+table file), reads only the annotation files, and returns a ``DatasetListing``: item ids, labels
+(training classes first), split and role, and where each image's bytes are. Bytes are read later,
+by ``puma.data.prepare``.
 
 Splits follow DESIGN.md section 2: the first half of the classes train and the second half test
 (official image-level splits ignored) for CUB, Cars, NABirds, Dogs, Flowers and Aircraft; SOP by
@@ -23,13 +24,18 @@ from puma.data.listing import (
     DatasetListing,
     Entry,
     LayoutError,
+    SourceItem,
     build_listing,
+    check_unique,
     find_file,
     half_split_listing,
+    num_train_classes,
     read_lines,
     split_pairs,
     unlabeled_listing,
 )
+from puma.data.rejects import Reject, reject_counts
+from puma.data.tables import NO_LABEL, REJECT_STAGE, read_item_table
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -251,8 +257,82 @@ def _listing_base(root: str) -> str:
     return storage.resolve(root)[1]
 
 
+# ----------------------------------------------------------------------------- catalogue table
+
+
+def convert_table(root: str, name: str) -> DatasetListing:
+    """A catalogue table (CSV, JSONL or Parquet; see puma.data.tables); ``root`` is the table file.
+
+    Labels come from its ``label`` column, classes in label order (text labels sorted), the first
+    half training; a table without labels is an unlabeled catalogue (as ``folder`` at class depth 0).
+    Item ids are ``<name>/<item_id>``. Rows the table reader rejects and, in a labeled table, rows
+    without a label (``missing_label``) go to ``listing.rejects``. Every row belongs to dataset
+    ``name``: a ``dataset`` column naming another is an error (prepare one table per dataset).
+    """
+    table = read_item_table(root, name)
+    rows = table.rows.to_pylist()
+    _check_one_dataset(root, name, rows)
+    rejects = _table_rejects(name, table.rejects)
+    labeled = [r for r in rows if r["label"] != NO_LABEL]
+    if labeled:
+        listing = _labeled_table_listing(root, name, labeled)
+        rejects += [_missing_label(root, name, r) for r in rows if r["label"] == NO_LABEL]
+    else:
+        items = [_table_item(name, r, schema.UNLABELED, "", schema.ROLE_TRAIN) for r in rows]
+        listing = DatasetListing(name, "table", root, items, [], 0, notes={schema.LABELED_KEY: False})
+    if not listing.items:
+        counts = reject_counts(r.to_dict() for r in rejects)
+        raise LayoutError(f"{root}: no usable rows ({len(rejects)} rejected: {counts}); every row needs "
+                          "an item_id and an image_uri")
+    check_unique(name, listing.items)
+    listing.rejects = rejects
+    return listing
+
+
+def _labeled_table_listing(root: str, name: str, rows: list[dict]) -> DatasetListing:
+    """Classes in the reader's label order; the first half train (role train), the rest test (query)."""
+    keys = sorted({r["label"] for r in rows})
+    index = {key: i for i, key in enumerate(keys)}
+    class_names = {r["label"]: r["class_name"] or str(r["label"]) for r in rows}
+    n_train = num_train_classes(len(keys))
+    items = [_table_item(name, r, index[r["label"]], class_names[r["label"]],
+                         schema.ROLE_TRAIN if index[r["label"]] < n_train else schema.QUERY) for r in rows]
+    return DatasetListing(name, "table", root, items, [class_names[k] for k in keys], n_train)
+
+
+def _table_item(name: str, row: dict, label: int, class_name: str, role: str) -> SourceItem:
+    split = schema.TRAIN if role == schema.ROLE_TRAIN else schema.TEST
+    return SourceItem(item_id=schema.make_item_id(name, row["item_id"]), dataset=name, label=label,
+                      class_name=class_name, split=split, role=role, source_path=row["image_uri"])
+
+
+def _table_rejects(name: str, rejects: list[dict]) -> list[Reject]:
+    """The reader's rejects with prepared item ids, one per item id (its detail names every row)."""
+    out: dict[str, Reject] = {}
+    for r in rejects:
+        item_id = schema.make_item_id(name, r["item_id"])
+        out.setdefault(item_id, Reject(**{**r, "item_id": item_id, "dataset": name}))
+    return list(out.values())
+
+
+def _missing_label(root: str, name: str, row: dict) -> Reject:
+    """The reject of a row without a label in a labeled table."""
+    return Reject(schema.make_item_id(name, row["item_id"]), name, "missing_label", REJECT_STAGE,
+                  row["image_uri"], detail=f"{root} row {row['source_row']}: no label, though other rows "
+                                           "have one")
+
+
+def _check_one_dataset(root: str, name: str, rows: list[dict]) -> None:
+    """LayoutError when a row's dataset column names another dataset than ``name``."""
+    others = sorted({r["dataset"] for r in rows} - {name})
+    if others:
+        raise LayoutError(f"{root}: rows name datasets {others[:5]}, but the table is prepared as dataset "
+                          f"{name!r}; prepare one table per dataset (split the table, or drop its dataset "
+                          "column and name it with --name)")
+
+
 CONVERTERS: dict[str, Callable[..., DatasetListing]] = {
     "cub": convert_cub, "cars": convert_cars, "sop": convert_sop, "inshop": convert_inshop,
     "nabirds": convert_nabirds, "dogs": convert_dogs, "flowers": convert_flowers,
-    "aircraft": convert_aircraft, "folder": convert_folder,
+    "aircraft": convert_aircraft, "folder": convert_folder, "table": convert_table,
 }

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from puma import storage
 from puma.data import schema
+from puma.data.rejects import Reject
 from puma.errors import UserError
 
 
@@ -31,7 +32,11 @@ class SourceItem:
 
 @dataclass
 class DatasetListing:
-    """A converted dataset: items plus class names (index = label; training classes first)."""
+    """A converted dataset: items plus class names (index = label; training classes first).
+
+    ``rejects``: entries of the source that are not items (e.g. a catalogue table's rows without an
+    item_id); prepare writes them to its rejects file with what it rejects itself.
+    """
 
     name: str
     kind: str  # the layout / preset it was read with (cub, cars, ..., folder, fashion_mnist)
@@ -40,6 +45,7 @@ class DatasetListing:
     class_names: list[str]
     num_train_classes: int
     notes: dict = field(default_factory=dict)  # e.g. ignored files
+    rejects: list[Reject] = field(default_factory=list)
 
     @property
     def num_classes(self) -> int:
@@ -86,7 +92,7 @@ def build_listing(name: str, kind: str, root: str, entries: Sequence[Entry], cla
                         label=labels[e.class_key], class_name=names.get(e.class_key, e.class_key),
                         split=schema.TRAIN if e.role == schema.ROLE_TRAIN else schema.TEST, role=e.role,
                         source_path=storage.join(base, e.rel_path)) for e in entries]
-    _check_unique(name, items)
+    check_unique(name, items)
     return DatasetListing(name, kind, root, items, [names.get(key, key) for key in class_order], n_train)
 
 
@@ -95,7 +101,7 @@ def unlabeled_listing(name: str, kind: str, root: str, rel_paths: Sequence[str])
     items = [SourceItem(item_id=schema.make_item_id(name, rel), dataset=name, label=schema.UNLABELED,
                         class_name="", split=schema.TRAIN, role=schema.ROLE_TRAIN,
                         source_path=storage.join(root, rel)) for rel in rel_paths]
-    _check_unique(name, items)
+    check_unique(name, items)
     return DatasetListing(name, kind, root, items, [], 0, notes={schema.LABELED_KEY: False})
 
 
@@ -114,7 +120,8 @@ def _class_splits(name: str, entries: Sequence[Entry], labels: dict[str, int]) -
     return out
 
 
-def _check_unique(name: str, items: Sequence[SourceItem]) -> None:
+def check_unique(name: str, items: Sequence[SourceItem]) -> None:
+    """LayoutError naming the first item id listed twice."""
     seen: set[str] = set()
     for item in items:
         if item.item_id in seen:

@@ -6,7 +6,8 @@ Layout of a prepared root::
     train/part-00000-<sha12>.parquet ...      rows of split train, shuffled by a hash of item_id
     test/part-00000-<sha12>.parquet ...       rows of split test
     rejects/prepare.jsonl                     images listed by a release but missing, empty, or
-                                              not decodable (corrupt, truncated, too large)
+                                              not decodable (corrupt, truncated, too large), and
+                                              the rows of a catalogue table that are not items
 
 With ``max_side`` (``data.prepare_max_side``) images whose longer side exceeds it are stored shrunk
 to it (``images.shrink_encoded``), so decoding reads a small image instead of a full-size photo; the
@@ -93,7 +94,8 @@ def prepare(specs: Sequence[SourceSpec], out_uri: str, shard_rows: int = 2000, p
     listings = _convert_all(specs, log)
     old = _old_shards(out_uri)
     report = PrepareReport(manifest=Manifest(out_uri, {}))
-    shards, rejects, kept, resized = [], [], [], ResizeCount()
+    shards, kept, resized = [], [], ResizeCount()
+    rejects = [r for lst in listings for r in lst.rejects]  # found by the converters (catalogue tables)
     total = sum(len(lst.items) for lst in listings)
     with console.progress("preparing", total, "img", tag="[puma.data]") as bar:
         for split in schema.STORED_SPLITS:
@@ -125,8 +127,9 @@ def _convert_all(specs: Sequence[SourceSpec], log: Callable[[str], None]) -> lis
     listings = []
     for spec in specs:
         listing = convert(spec)
-        log(f"[puma.data] {spec.name}: {len(listing.items):,} images, {listing.num_classes:,} classes "
-            f"({spec.kind} layout at {storage.redact(spec.uri)})")
+        rejected = f", {len(listing.rejects):,} rows rejected" if listing.rejects else ""
+        log(f"[puma.data] {spec.name}: {len(listing.items):,} images, {listing.num_classes:,} classes"
+            f"{rejected} ({spec.kind} layout at {storage.redact(spec.uri)})")
         listings.append(listing)
     return listings
 
@@ -275,7 +278,7 @@ def config_specs(data_cfg) -> list[SourceSpec] | None:
     """Sources implied by ``data.preset``: demo, or one official preset read from data.source_root."""
     if data_cfg.preset == "demo":
         return demo_specs(data_cfg)
-    if data_cfg.preset in CONVERTERS and data_cfg.preset != "folder":
+    if data_cfg.preset in CONVERTERS and data_cfg.preset not in ("folder", "table"):  # these need --name
         return [SourceSpec(data_cfg.preset, data_cfg.preset, data_cfg.source_root)]
     return None
 

@@ -1,4 +1,4 @@
-"""Rejected images: one JSON object per line, sorted by item id, never silently dropped.
+"""Rejected images and catalogue rows: one JSON object per line, sorted by item id, never silently dropped.
 
 Rejects are found once: prepare reads and decodes every image (``puma.data.images.verify_image``)
 and lists what fails in ``<data.uri>/rejects/prepare.jsonl``; those items never enter a shard.
@@ -6,6 +6,10 @@ Training (``data.rejects_uri``) and embedding (``<index.uri>/rejects/<catalogue>
 their rejects files from that list, so each one lists every bad item of what it read, and add what
 only they meet. Reasons, by the stage that finds them:
 
+- catalogue (reading a catalogue table, ``puma.data.tables``; ``detail`` names the table and row):
+  ``empty_item_id`` (no item_id: the reject's item_id is ``<row N>``), ``missing_image_uri`` (no
+  image_uri), ``duplicate_item_id`` (an item_id already on an earlier row, which is kept), and, when
+  prepare reads a table whose rows have labels, ``missing_label`` (a row without one).
 - prepare: ``missing_file`` (listed by the release but absent), ``empty_file`` (zero bytes),
   ``corrupt`` (not a readable image), ``truncated`` (the encoded data ends early), ``too_large``
   (a decompression bomb by PIL's limit).
@@ -27,6 +31,7 @@ from puma import storage
 
 PREPARE_REASONS = ("missing_file", "empty_file", "corrupt", "truncated", "too_large")
 DECODE_REASONS = ("corrupt", "truncated", "tiny", "too_large")
+TABLE_REASONS = ("empty_item_id", "missing_image_uri", "duplicate_item_id", "missing_label")
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class Reject:
     item_id: str
     dataset: str
     reason: str
-    stage: str  # prepare | decode
+    stage: str  # catalogue | prepare | decode
     source_path: str = ""
     split: str = ""
     detail: str = ""

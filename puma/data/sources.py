@@ -9,10 +9,11 @@ from puma import storage
 from puma.data.demo import DEMO_PER_CLASS, convert_fashion_mnist, resolve_local_root
 from puma.data.layouts import CONVERTERS
 from puma.data.listing import DatasetListing, LayoutError
+from puma.data.tables import table_stem
 
 OFFICIAL = ("cub", "cars", "sop", "inshop", "nabirds", "dogs", "flowers", "aircraft")
 KINDS = (*CONVERTERS, "fashion_mnist")
-PRESETS = ("demo", *OFFICIAL, "folder", "paper")  # paper: all eight official datasets
+PRESETS = ("demo", *OFFICIAL, "folder", "table", "paper")  # paper: all eight official datasets
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def preset_specs(presets: Sequence[str], sources: Sequence[str], name: str = "",
     """Specs for official presets: one plain root per preset, or ``name=root`` pairs in any order.
 
     ``paper`` expands to the eight official datasets. The folder preset takes ``name`` (default:
-    the root's last path component) and ``class_depth``.
+    the root's last path component) and ``class_depth``; the table preset (the source is a CSV,
+    JSONL or Parquet catalogue table, see puma.data.tables) takes ``name`` (default: the file's stem).
     """
     presets = [p for preset in presets for p in (OFFICIAL if preset == "paper" else [preset])]
     bad = sorted(set(presets) - set(PRESETS) | ({"demo"} & set(presets)))
@@ -90,6 +92,8 @@ def preset_specs(presets: Sequence[str], sources: Sequence[str], name: str = "",
         root = roots[preset]
         if preset == "folder":
             specs.append(SourceSpec("folder", name or root.rstrip("/").split("/")[-1], root, class_depth))
+        elif preset == "table":
+            specs.append(SourceSpec("table", name or table_stem(root), root))
         else:
             specs.append(SourceSpec(preset, preset, root))
     return specs
