@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from puma import storage
     from puma.eval.index_eval import metrics_table, run_evaluation
-    from puma.index.manifest import has_manifest
+    from puma.index.versions import live_manifest
 
     uri = args.index or cfg.index.uri
     storage.preflight(cfg.storage, outputs=[uri, args.out, cfg.data.uri])  # buckets, credentials
-    if args.embed or not has_manifest(uri):
+    if args.embed or live_manifest(uri) is None:
         embed_test_split(cfg, uri, args.checkpoint)
     metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, args.out, cfg.eval.query_chunk)
     print(metrics_table(metrics))

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--item-id", action="append", default=[], help="an indexed item id (repeatable)")
     parser.add_argument("--image", action="append", default=[], help="a query image file (repeatable)")
     parser.add_argument("--checkpoint", default="",
-                        help="checkpoint that embeds --image queries (default: "
-                             "<train.storage_path>/<train.run_name>/best)")
+                        help="checkpoint that embeds --image queries (default: the one the live index "
+                             "version records, else <train.storage_path>/<train.run_name>/best)")
     parser.add_argument("--grid", default="", help="also write a retrieval grid PNG here (local or s3://)")
     parser.add_argument("--k", type=int, default=10, help="neighbours per query (default 10)")
     parser.add_argument("--out", default="", help="results Parquet URI (default artifacts/search/...)")
@@ -39,13 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     from puma import storage
     from puma.checkpoint import best_checkpoint_uri
     from puma.index import verify
+    from puma.index.versions import recorded_checkpoint, resolve
     from puma.inference.search import run_search
 
-    checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
+    storage.configure(cfg.storage)
+    checkpoint = args.checkpoint or (recorded_checkpoint(cfg.index.uri) if args.image else "") or \
+        best_checkpoint_uri(cfg)
     storage.preflight(cfg.storage, inputs=[cfg.index.uri, args.queries, *args.image,
                                            checkpoint if args.image else ""], outputs=[args.out, args.grid])
     if args.verify:
-        report = verify(cfg.index.uri).raise_if_bad()
+        report = verify(resolve(cfg.index.uri)).raise_if_bad()
         print(f"[puma] verified {report.uri}: {report.items} items, {report.shards} shards, "
               f"{report.files_checked} files")
     outcome = run_search(cfg.index, args.k, args.queries, args.item_id, args.out, args.include_self,

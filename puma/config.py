@@ -482,9 +482,18 @@ class IndexConfig:
     seed: int = 0  # seeds the IVF training sample and k-means
     use_gpu: bool = True  # FAISS GPUs for training and search when faiss.get_num_gpus() > 0
     query_chunk: int = 65536  # queries searched at once (bounds merge memory)
+    compact_fraction: float = 0.2  # a shard whose removed rows reach this fraction is rewritten without them
+    keep_versions: int = 3  # versions (one per model) kept at index.uri; the live and previous always are
+    promote: str = "auto"  # auto: a new model's version goes live once it holds every live catalogue
+    # and verifies; manual: only by `python jobs/index.py promote`
 
     def __post_init__(self) -> None:
         _check_choice("index.index_type", self.index_type, INDEX_TYPES)
+        _check(0 < self.compact_fraction <= 1, f"index.compact_fraction={self.compact_fraction!r} must be in "
+                                               "(0, 1] (1: only shards whose every row was removed)")
+        _check(self.keep_versions >= 2, f"index.keep_versions={self.keep_versions!r} must be >= 2 (the live "
+                                        "version and the one a rollback returns to)")
+        _check_choice("index.promote", self.promote, ("auto", "manual"))
         _check_choice("index.metric", self.metric, ("ip", "l2"))
         _check(self.nlist >= 0, f"index.nlist={self.nlist!r} must be >= 0 (0: auto)")
         _check(self.pq_m >= 0, f"index.pq_m={self.pq_m!r} must be >= 0 (0: auto)")
@@ -573,7 +582,8 @@ class ServeConfig:
     ingress_replicas: int = 1  # replicas of the HTTP ingress (requests, validation, the page)
     ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
     target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
-    watch_interval_s: float = 10.0  # how often replicas look for new shards in the manifest
+    watch_interval_s: float = 10.0  # how often replicas look for new shards and a new live version
+    version_grace_s: float = 30.0  # a replaced version stays loaded this long (and while requests hold it)
     token_env: str = "PUMA_SERVE_TOKEN"  # a non-empty value there requires `Authorization: Bearer <it>`
     access_log: bool = False  # one log line per request in the replicas' logs
 
@@ -599,6 +609,7 @@ class ServeConfig:
         _check(self.ingress_replicas >= 1, "serve.ingress_replicas must be >= 1")
         _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
         _check(self.watch_interval_s > 0, "serve.watch_interval_s must be > 0 seconds")
+        _check(self.version_grace_s >= 0, "serve.version_grace_s must be >= 0 seconds")
 
 
 # ----------------------------------------------------------------------------- sweep

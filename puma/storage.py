@@ -29,7 +29,8 @@ import posixpath
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -460,6 +461,50 @@ def list_files(uri: str, suffix: str = "", recursive: bool = True) -> list[str]:
     infos = call("listing", uri, lambda: fs.get_file_info(selector))
     files = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix)]
     return sorted(_to_uri(uri, p) for p in files)
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What a listing says of a file: where, how many bytes, when it was last written (ns)."""
+
+    uri: str
+    size: int
+    mtime_ns: int
+
+    @property
+    def stamp(self) -> str:
+        """``<size>:<mtime_ns>``: changes whenever the file is rewritten (the quick change check)."""
+        return f"{self.size}:{self.mtime_ns}"
+
+
+def list_file_stats(uri: str, suffix: str = "", recursive: bool = True) -> list[FileStat]:
+    """The files under ``uri`` ending in ``suffix``, sorted, with their sizes and write times, from
+    the listing alone (no file is opened; [] if ``uri`` does not exist)."""
+    fs, path = resolve(uri)
+    selector = pafs.FileSelector(path, recursive=recursive, allow_not_found=True)
+    infos = call("listing", uri, lambda: fs.get_file_info(selector))
+    stats = [FileStat(_to_uri(uri, i.path), int(i.size or 0), _mtime_ns(i)) for i in infos
+             if i.type == pafs.FileType.File and i.path.endswith(suffix)]
+    return sorted(stats, key=lambda s: s.uri)
+
+
+def stat_files(uris: Sequence[str]) -> list[FileStat | None]:
+    """Each file's listing facts (None where it is missing), asked one by one (threads on S3)."""
+    def one(uri: str) -> FileStat | None:
+        fs, path = resolve(uri)
+        info = call("reading", uri, lambda: fs.get_file_info(path))
+        if info.type != pafs.FileType.File:
+            return None
+        return FileStat(uri, int(info.size or 0), _mtime_ns(info))
+
+    if not any(is_s3(u) for u in uris):
+        return [one(u) for u in uris]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(one, uris))
+
+
+def _mtime_ns(info: pafs.FileInfo) -> int:
+    return int(info.mtime_ns) if info.mtime_ns is not None else 0
 
 
 def list_dirs(uri: str) -> list[str]:

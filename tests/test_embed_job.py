@@ -30,6 +30,7 @@ from puma.data.rejects import read_rejects
 from puma.data.sources import SourceSpec
 from puma.index import ShardedIndex, read_manifest, verify
 from puma.index.table import read_table
+from puma.index.versions import read_alias, resolve, version_name
 from puma.inference import embed_catalogue, watch
 from puma.inference.job import checkpoint_id
 
@@ -81,8 +82,21 @@ def embed_cfg(root: Path, checkpoint: str, *overrides: str):
 
 
 def stored(index_uri: str) -> pa.Table:
-    """Every committed embeddings row of the index."""
-    return read_table(storage.join(index_uri, "shards"))
+    """Every committed embeddings row of the index (its live version)."""
+    return read_table(storage.join(resolve(index_uri), "shards"))
+
+
+def live_dir(index: Path) -> Path:
+    """The folder of the live version of the index location ``index``."""
+    return Path(resolve(str(index)))
+
+
+def committed_items(index: Path) -> int:
+    """Items committed to the live version so far (0 before the first commit)."""
+    try:
+        return read_manifest(resolve(str(index))).total
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
 # ----------------------------------------------------------------------------- tests
@@ -121,9 +135,10 @@ def test_embeddings_equal_the_model_forward_for_folders_and_prepared_data(ray_cl
     cub = [r for r in rows.values() if r["dataset"] == "cub"]
     assert {r["role"] for r in cub} <= {"train", "query"} and all(r["image_row"] >= 0 for r in cub)
     assert {r["label"] for r in cub} == {0, 1, 2}
-    manifest = read_manifest(str(tmp_path / "index"))
+    manifest = read_manifest(resolve(str(tmp_path / "index")))
     assert manifest.model_id == checkpoint_id(checkpoint) and manifest.model_id.startswith("sha256:")
-    assert manifest.index_type == "flat" and manifest.total == 20 and verify(str(tmp_path / "index")).ok
+    assert manifest.index_type == "flat" and manifest.total == 20
+    assert verify(resolve(str(tmp_path / "index"))).ok
 
 
 def test_crash_mid_commit_then_rerun_gives_every_item_exactly_once(ray_cluster, checkpoint, tmp_path,
@@ -145,21 +160,21 @@ def test_crash_mid_commit_then_rerun_gives_every_item_exactly_once(ray_cluster, 
     with pytest.raises(RuntimeError, match="injected crash"):
         embed_catalogue(cfg, str(folder))
     monkeypatch.setattr(build, "write_manifest", real_write)
-    first = read_manifest(index).total  # one commit: >= commit_rows (8) items, batches of <= 4
+    first = read_manifest(resolve(index)).total  # one commit: >= commit_rows (8) items, batches of <= 4
     assert 8 <= first < 12
-    assert (tmp_path / "index" / "shards" / "shard-00001").exists()  # unfinished shard left behind
+    assert (live_dir(tmp_path / "index") / "shards" / "shard-00001").exists()  # unfinished shard left behind
 
     report = embed_catalogue(cfg, str(folder))
     assert (report.skipped_indexed, report.embedded, report.total) == (first, 30 - first, 30)
     ids = stored(index)["item_id"].to_pylist()
     assert len(ids) == len(set(ids)) == 30
-    manifest = read_manifest(index)
+    manifest = read_manifest(resolve(index))
     assert manifest.total == sum(s.count for s in manifest.shards) == 30
     counts = [s.count for s in manifest.shards]
     assert counts[0] == first and all(8 <= c < 12 for c in counts[:-1]) and 0 < counts[-1] < 12, counts
-    shard_dirs = sorted(os.listdir(tmp_path / "index" / "shards"))
+    shard_dirs = sorted(os.listdir(live_dir(tmp_path / "index") / "shards"))
     assert shard_dirs == [s.name for s in manifest.shards]  # the unfinished shard was removed
-    assert verify(index).ok
+    assert verify(resolve(index)).ok
     assert ShardedIndex.open(index, use_gpu=False).ntotal == 30
 
 
@@ -175,18 +190,18 @@ def test_killed_job_process_then_rerun_gives_every_item_exactly_once(ray_cluster
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if (index / "manifest.json").exists() and read_manifest(str(index)).shards:
+        if committed_items(index):
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)
     proc.wait(timeout=30)
-    committed = read_manifest(str(index)).total
+    committed = read_manifest(resolve(str(index))).total
     assert 4 <= committed < 60, f"not killed mid-way ({committed} committed, rc {proc.returncode})"
     report = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(folder))
     assert report.skipped_indexed == committed and report.embedded == 60 - committed
     ids = stored(str(index))["item_id"].to_pylist()
-    assert len(ids) == len(set(ids)) == 60 and read_manifest(str(index)).total == 60
-    assert verify(str(index)).ok
+    assert len(ids) == len(set(ids)) == 60 and read_manifest(resolve(str(index))).total == 60
+    assert verify(resolve(str(index))).ok
 
 
 @pytest.mark.budget(100)  # an IVF index trained on a committed sample, then the rest embedded (30-46 s)
@@ -197,10 +212,10 @@ def test_ivf_index_is_trained_once_on_a_sample_that_is_committed_first(ray_clust
                     "index.train_sample=40", "index.nprobe=1", "embed.commit_rows=100")
     index = str(tmp_path / "index")
     r1, r2 = embed_catalogue(cfg, str(first)), embed_catalogue(cfg, str(second))
-    manifest = read_manifest(index)
+    manifest = read_manifest(resolve(index))
     assert (manifest.index_type, manifest.nlist, manifest.train_count) == ("ivf_flat", 1, 40)
     assert [s.count for s in manifest.shards] == [40, 10, 6]  # the training sample, the rest, catalogue 2
-    assert (r1.embedded, r2.embedded, manifest.total) == (50, 6, 56) and verify(index).ok
+    assert (r1.embedded, r2.embedded, manifest.total) == (50, 6, 56) and verify(resolve(index)).ok
     ids = stored(index)["item_id"].to_pylist()
     assert len(set(ids)) == 56
     table = stored(index)
@@ -217,7 +232,7 @@ def test_second_catalogue_is_added_without_re_embedding_the_first(ray_cluster, c
     cfg = embed_cfg(tmp_path, checkpoint)
     index = str(tmp_path / "index")
     r1 = embed_catalogue(cfg, str(first))
-    before = {p: p.read_bytes() for p in (tmp_path / "index" / "shards").rglob("*") if p.is_file()}
+    before = {p: p.read_bytes() for p in (live_dir(tmp_path / "index") / "shards").rglob("*") if p.is_file()}
     r2 = embed_catalogue(cfg, str(second))
     r3 = embed_catalogue(cfg, str(first))  # nothing new: no read, no decode, no model
     assert (r1.embedded, r2.embedded, r2.skipped_indexed) == (12, 9, 0)
@@ -246,12 +261,14 @@ def test_unreadable_images_are_rejected_and_listed_and_the_job_completes(ray_clu
     assert len(ids) == 2 + 3 + 3 and not set(rows) & ids
     report = embed_catalogue(embed_cfg(tmp_path, checkpoint), str(folder))  # rejects are not re-tried
     assert (report.embedded, report.skipped_rejected, report.rejected) == (0, 3, 3)
-    other = make_checkpoint(str(tmp_path / "other"), seed=1)  # another model must not join this index
+    other = make_checkpoint(str(tmp_path / "other"), seed=1)  # another model never joins this version
     assert checkpoint_id(other) != checkpoint_id(checkpoint)
     assert checkpoint_id(make_checkpoint(str(tmp_path / "copy"))) == checkpoint_id(checkpoint)
     rc = _load_job().main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
                            f"embed.checkpoint={other}"])
-    assert rc == 2 and "build a new index for the new model" in capsys.readouterr().err
+    alias = read_alias(str(tmp_path / "index"))  # it builds its own version, which then goes live
+    assert rc == 0 and (alias.live, alias.previous) == (version_name(checkpoint_id(other)),
+                                                        version_name(checkpoint_id(checkpoint)))
 
 
 def test_a_prepared_catalogue_lists_prepares_rejects_beside_its_own(ray_cluster, checkpoint, tmp_path):
@@ -303,7 +320,7 @@ def test_s3_catalogue_and_index(ray_cluster, checkpoint, tmp_path, s3_server, s3
     report = embed_catalogue(cfg, catalogue)
     assert (report.embedded, report.rejected, report.total) == (10, 3, 10)
     assert report.rejects_uri == f"{index}/rejects/s3cat.jsonl" and len(read_rejects(report.rejects_uri)) == 3
-    assert verify(index).ok
+    assert verify(resolve(index)).ok
     table = stored(index)
     assert table["image_uri"][0].as_py().startswith(catalogue)
     again = watch(cfg, f"{s3_storage}/catalogues/")  # the s3:// prefix: one catalogue, nothing new

@@ -25,6 +25,7 @@ from puma.eval import RetrievalInputError, evaluate_embeddings
 from puma.eval.index_eval import evaluate_index
 from puma.index import ShardedIndex, build_index, read_manifest
 from puma.index.table import read_columns, read_table
+from puma.index.versions import resolve
 
 DIM = 16
 KS = (1, 2, 4, 8)
@@ -189,15 +190,15 @@ def test_evaluate_job_embeds_the_test_split_and_equals_core_metrics(ray_cluster,
             "embed.num_cpus=1"]
     assert load_evaluate_job().main(argv) == 0
     out = capsys.readouterr().out
-    assert f"embedded 16 test images of {prepared} into {index}" in out
+    assert f"embedded 16 test images of {prepared} into {resolve(index)}" in out
 
     refs = prepared_test_split(prepared)
-    stored = read_table(storage.join(index, "shards"))
+    stored = read_table(storage.join(resolve(index), "shards"))
     assert len(refs) == 16 and sorted(stored["item_id"].to_pylist()) == sorted(refs["item_id"].to_pylist())
     meta = ["item_id", "dataset", "label", "role"]
     by_id = {r["item_id"]: r for r in stored.select(meta).to_pylist()}
     assert [by_id[i] for i in refs["item_id"].to_pylist()] == refs.select(meta).to_pylist()
-    manifest = read_manifest(index)
+    manifest = read_manifest(resolve(index))
     assert (manifest.index_type, manifest.total, [s.count for s in manifest.shards]) == ("flat", 16, [8, 8])
 
     emb = reference_embeddings(checkpoint, refs)  # (16, E), in-process forward of the eval views

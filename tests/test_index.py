@@ -248,7 +248,7 @@ def test_refreshed_loads_only_new_shards_and_equals_a_fresh_open(tmp_path: Path)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(index_backend, "deserialize", lambda data: reads.append(len(data)) or real_read(data))
         fresh = served.refreshed()
-    assert len(reads) == 2 and served.extended_by(fresh.manifest)  # shard-00003 and shard-00004 only
+    assert len(reads) == 2 and fresh.reused_shards(served) == 3  # shard-00003 and shard-00004 only
     assert fresh._shards[:3] == served._shards and fresh.ntotal == 500 and served.ntotal == 300
     q = np.concatenate([x1[:20], x2[:20], catalogue(20, seed=9)[1]])
     reopened = ShardedIndex.open(uri, nprobe=4, use_gpu=False)
@@ -257,7 +257,7 @@ def test_refreshed_loads_only_new_shards_and_equals_a_fresh_open(tmp_path: Path)
     assert fresh.lookup(["cars/00199"]).tolist() == [499]
     rebuild(uri, str(tmp_path / "other"), IndexConfig(index_type="flat"))
     other = ShardedIndex.open(str(tmp_path / "other"), use_gpu=False)
-    assert not fresh.extended_by(other.manifest)
+    assert fresh.refreshed(other.manifest).reused_shards(fresh) == 0  # another trained index: opened anew
 
 
 def test_duplicate_item_ids_are_skipped_and_counted(tmp_path: Path) -> None:

@@ -195,8 +195,9 @@ def test_vector_and_item_queries_equal_brute_force_with_and_without_filters(serv
     assert [h["rank"] for h in hits] == list(range(1, 7))
     np.testing.assert_allclose([h["score"] for h in hits], np.sort(x @ q)[::-1][:6], atol=1e-5)
     first = hits[0]
-    assert set(first) == {"rank", "score", "item_id", "dataset", "label", "catalogue", "image_uri",
-                          "image_row"}
+    assert set(first) == {"rank", "score", "item_id", "dataset", "label", "class_name", "catalogue",
+                          "image_uri", "image_row", "metadata"}
+    assert (first["class_name"], first["metadata"]) == ("", {})  # an index built without them
     cars = np.array([i.startswith("cars/") for i in ids])
     assert [h["item_id"] for h in live.search_vector(q, 6, datasets=("cars",))] == \
         [ids[i] for i in brute_force(x, q, 6, cars)]

@@ -39,7 +39,9 @@ from puma.checkpoint import checkpoint_id
 from puma.config import load_config
 from puma.data.prepare import prepare
 from puma.data.sources import SourceSpec
+from puma.index.manifest import read_manifest
 from puma.index.table import read_table
+from puma.index.versions import read_alias, resolve
 from puma.inference import embed_catalogue
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +74,7 @@ def free_port() -> int:
 
 def stored(index_uri: str) -> tuple[list[str], np.ndarray, list[dict]]:
     """Item ids, embeddings (N, E) and the other columns of every committed item."""
-    table = read_table(str(Path(index_uri) / "shards"))
+    table = read_table(str(Path(resolve(index_uri)) / "shards"))
     x = np.stack(table["embedding"].to_numpy(zero_copy_only=False)).astype(np.float32)
     return table["item_id"].to_pylist(), x, table.drop_columns(["embedding"]).to_pylist()
 
@@ -178,7 +180,9 @@ def item_id_of(service: dict, photo: Path) -> str:
 @pytest.mark.budget(120)  # the module's first: the service's start-up is its set-up (50-56 s)
 def test_health_is_open_and_everything_else_needs_the_token(service):
     status, _, health = call(service, "GET", "healthz", token=None)
-    assert status == 200 and health == {"status": "ok", "items": 28, "auth": True, "image_queries": True}
+    version, model_id = read_alias(service["index"]).live, read_manifest(resolve(service["index"])).model_id
+    assert status == 200 and health == {"status": "ok", "items": 28, "auth": True, "image_queries": True,
+                                        "version": version, "model_id": model_id}
     for token in (None, "wrong-token"):
         status, head, body = call(service, "GET", "stats", token=token)
         assert status == 401 and head.get("www-authenticate") == "Bearer"

@@ -54,38 +54,41 @@ def evaluate_opened_index(index: ShardedIndex, ks: Sequence[int] = (1, 2, 4, 8),
                           chunk: int = 4096) -> dict[str, float]:
     """``evaluate_index`` on an open index (its nprobe and devices as opened)."""
     table = eval_table(index)
-    vectors = embedding_matrix(table)  # (N, E), row i = global id i
+    rows = np.flatnonzero(index.live)  # (L,) the index row of each live item: removed ones are not evaluated
+    table = table.take(pa.array(rows))
+    vectors = embedding_matrix(table)  # (L, E), row i = index row rows[i]
     labels = table[LABEL].to_numpy().astype(np.int64)
     datasets = np.asarray(table[DATASET].to_pylist(), dtype=str)
     roles = np.asarray(table[ROLE].to_pylist(), dtype=str)
 
     def searches(query_items: np.ndarray, gallery_items: np.ndarray,
                  self_index: np.ndarray) -> NeighbourSearch:
-        return index_search(index, vectors, query_items, gallery_items, self_index, chunk)
+        return index_search(index, vectors, query_items, gallery_items, self_index, chunk, rows)
 
     return evaluate_protocol(labels, datasets, roles, ks, searches)
 
 
 def eval_table(index: ShardedIndex) -> pa.Table:
-    """The stored columns evaluation needs, row i = global id i; refuses missing or unlabelled rows."""
+    """The stored columns evaluation needs, row i = the index's row i, live rows only checked;
+    refuses missing or unlabelled rows."""
     table = index.table(EVAL_COLUMNS, missing_ok=True)
     missing = [c for c in EVAL_COLUMNS if pa.types.is_null(table[c].type)]
     if missing:
         raise RetrievalInputError(f"index {index.uri} lacks column(s) {missing} needed for evaluation "
                                   f"(the catalogue contract in puma.index.table: dataset, label, role)")
-    ids = table[INDEX_ID].to_numpy()
-    if not np.array_equal(ids, np.arange(len(table))):
-        raise RetrievalInputError(f"index {index.uri}: global ids are not 0..{len(table) - 1} in shard order")
+    if len(table) != index.ntotal:
+        raise RetrievalInputError(f"index {index.uri}: {len(table)} stored rows, {index.ntotal} loaded")
+    live = table.filter(pa.array(index.live))
     for name in (DATASET, LABEL, ROLE):
-        if table[name].null_count:
-            raise RetrievalInputError(f"index {index.uri}: {table[name].null_count} row(s) have no {name}, "
-                                      f"e.g. {_examples(table, table[name].is_null())}")
-    unlabelled = pc.equal(table[LABEL], NO_LABEL)
+        if live[name].null_count:
+            raise RetrievalInputError(f"index {index.uri}: {live[name].null_count} row(s) have no {name}, "
+                                      f"e.g. {_examples(live, live[name].is_null())}")
+    unlabelled = pc.equal(live[LABEL], NO_LABEL)
     count = int(pc.sum(unlabelled).as_py() or 0)
     if count:
         raise RetrievalInputError(f"index {index.uri}: {count} row(s) have label {NO_LABEL} (no class), "
                                   f"so retrieval metrics cannot score them, e.g. "
-                                  f"{_examples(table, unlabelled)}; evaluate a labelled test split")
+                                  f"{_examples(live, unlabelled)}; evaluate a labelled test split")
     return table
 
 
@@ -94,15 +97,17 @@ def _examples(table: pa.Table, mask: pa.ChunkedArray, limit: int = 5) -> list[st
 
 
 def index_search(index: ShardedIndex, vectors: np.ndarray, query_items: np.ndarray, gallery_items: np.ndarray,
-                 self_index: np.ndarray, chunk: int) -> NeighbourSearch:
-    """A NeighbourSearch through the index, restricted to ``gallery_items`` (global ids)."""
+                 self_index: np.ndarray, chunk: int, rows: np.ndarray | None = None) -> NeighbourSearch:
+    """A NeighbourSearch through the index, restricted to ``gallery_items``; items are positions in
+    ``rows`` (the index row of each evaluated item; default: every row)."""
+    rows = np.arange(index.ntotal) if rows is None else rows
     allowed = None
-    if len(gallery_items) < index.ntotal:
+    if len(gallery_items) < index.live_total:
         allowed = np.zeros(index.ntotal, dtype=bool)
-        allowed[gallery_items] = True
-    gallery_row = np.full(index.ntotal, -1, dtype=np.int64)  # (N,) global id -> gallery row
-    gallery_row[gallery_items] = np.arange(len(gallery_items))
-    own = np.where(self_index >= 0, query_items, NOT_SELF)  # (Q,) own global id when in the gallery
+        allowed[rows[gallery_items]] = True
+    gallery_row = np.full(index.ntotal, -1, dtype=np.int64)  # (N,) index row -> gallery row
+    gallery_row[rows[gallery_items]] = np.arange(len(gallery_items))
+    own = np.where(self_index >= 0, rows[query_items], NOT_SELF)  # (Q,) own index row when in the gallery
 
     def search(rows: np.ndarray, k: int) -> Iterator[tuple[int, np.ndarray]]:
         exclude = bool((self_index[rows] >= 0).any())

@@ -14,7 +14,9 @@ One writer per index at a time.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,9 +24,11 @@ import pyarrow as pa
 
 from puma import library_versions, storage
 from puma.config import IndexConfig
+from puma.faults import fault_point
 from puma.index import backend
 from puma.index.manifest import (
     LIBRARIES,
+    REMOVED_PREFIX,
     SHARD_EMBEDDINGS_FILE,
     SHARD_INDEX_FILE,
     SHARDS_DIR,
@@ -34,8 +38,10 @@ from puma.index.manifest import (
     ShardEntry,
     has_manifest,
     now,
+    orphan_files,
     orphan_shards,
     read_manifest,
+    removed_ids,
     shard_name,
     write_file,
     write_manifest,
@@ -70,7 +76,7 @@ class AddReport:
 
 
 def create_index(uri: str, cfg: IndexConfig, train_vectors: np.ndarray, expected_items: int | None = None,
-                 model_id: str = "") -> Manifest:
+                 model_id: str = "", checkpoint: str = "") -> Manifest:
     """Plan, train once and save trained.faiss + an empty manifest; returns the existing one if present."""
     x = _check_vectors(train_vectors, "train_vectors")  # (n, E)
     if has_manifest(uri):
@@ -87,7 +93,8 @@ def create_index(uri: str, cfg: IndexConfig, train_vectors: np.ndarray, expected
                         factory=plan.factory, nlist=plan.nlist, pq_m=plan.pq_m, shard_size=cfg.shard_size,
                         train_count=len(sample) if plan.index_type != "flat" else 0,
                         memory_estimate_bytes=plan.memory_bytes, trained=entry, created=now(),
-                        versions=library_versions(LIBRARIES), config=dataclasses.asdict(cfg))
+                        versions=library_versions(LIBRARIES), config=dataclasses.asdict(cfg),
+                        checkpoint=checkpoint)
     write_manifest(uri, manifest)
     return manifest
 
@@ -116,13 +123,12 @@ def add_items(uri: str, table: pa.Table | str, model_id: str = "", source: str =
     table = check_table(table)
     check_compatible(manifest, embedding_dim(table), model_id, uri)
     table = _new_items(table, indexed_item_ids(uri, manifest), report)
-    trained = _read_trained(uri, manifest)
     size = shard_size or manifest.shard_size
     for start in range(0, len(table), size):
-        entry = _commit_shard(uri, manifest, trained, table.slice(start, size), source)
-        report.shards.append(entry.name)
-        report.added += entry.count
-    report.total = manifest.total
+        done = commit_changes(uri, table.slice(start, size), source=source, shard_size=size)
+        report.shards += done.shards
+        report.added += done.added
+        report.total = done.total
     return report
 
 
@@ -138,33 +144,145 @@ def _new_items(table: pa.Table, indexed: pa.Array, report: AddReport) -> pa.Tabl
     return table
 
 
-def _commit_shard(uri: str, manifest: Manifest, trained: bytes, table: pa.Table, source: str) -> ShardEntry:
-    """Write one shard's Parquet and index, then append it to the manifest (the commit)."""
-    name = shard_name(len(manifest.shards))
-    ids = np.arange(manifest.next_id, manifest.next_id + len(table), dtype=np.int64)  # global ids
+@dataclass
+class CommitReport:
+    """What one commit did: rows added as new shards, ids removed, shards dropped, the index after."""
+
+    added: int = 0
+    removed: int = 0
+    shards: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    total: int = 0
+    manifest: Manifest | None = None
+
+
+def commit_changes(uri: str, table: pa.Table | None = None, remove: np.ndarray | None = None, *,
+                   source: str = "", shard_size: int | None = None, drop: tuple[str, ...] = (),
+                   update: Callable[[Manifest], None] | None = None) -> CommitReport:
+    """ONE commit (one manifest write) of: the table's rows as new shards, the removal of the global
+    ids ``remove`` (tombstones; ids not live are ignored), the dropping of the shards named in ``drop``
+    and ``update(manifest)`` (catalogue and run records). Files first, manifest last: a crash before
+    the manifest write leaves the index as it was, plus files the next write deletes."""
+    manifest = read_manifest(uri)
+    before = _state_key(manifest)
+    report = CommitReport()
+    added = []
+    if table is not None and len(table):
+        added = _write_new_shards(uri, manifest, table, source, shard_size)
+    tombstoned, report.removed = _write_tombstones(uri, manifest, remove)
+    shards = [tombstoned.get(s.name, s) for s in manifest.shards if s.name not in drop]
+    _check_no_other_writer(uri, before)
+    manifest.shards = shards + added
+    if added:
+        manifest.next_free_id = added[-1].id_end
+        manifest.next_shard = int(added[-1].name.rsplit("-", 1)[-1]) + 1
+    if update is not None:
+        update(manifest)
+    fault_point("index.commit")
+    write_manifest(uri, manifest)
+    report.added, report.shards = sum(e.count for e in added), [e.name for e in added]
+    report.dropped, report.total, report.manifest = list(drop), manifest.total, manifest
+    return report
+
+
+def _write_new_shards(uri: str, manifest: Manifest, table: pa.Table, source: str,
+                      shard_size: int | None) -> list[ShardEntry]:
+    """The table's rows as shards of ``shard_size`` after the manifest's last id (files only, no commit)."""
+    table = check_table(table)
+    check_compatible(manifest, embedding_dim(table), "", uri)
+    trained = _read_trained(uri, manifest)
+    size = shard_size or manifest.shard_size
+    seq = int(manifest.next_shard_name.rsplit("-", 1)[-1])
+    next_id, entries = manifest.next_id, []
+    for start in range(0, len(table), size):
+        entry = _write_shard(uri, shard_name(seq), next_id, trained, table.slice(start, size), source)
+        entries.append(entry)
+        seq, next_id = seq + 1, entry.id_end
+    return entries
+
+
+def _write_shard(uri: str, name: str, id_start: int, trained: bytes, table: pa.Table,
+                 source: str) -> ShardEntry:
+    """One shard's Parquet and index files with global ids from ``id_start`` (not committed)."""
+    ids = np.arange(id_start, id_start + len(table), dtype=np.int64)  # global ids
     table = table.add_column(0, INDEX_ID, pa.array(ids))
     index = backend.deserialize(trained)
     index.add_with_ids(embedding_matrix(table), ids)
     folder = f"{SHARDS_DIR}/{name}"
     embeddings = write_file(uri, f"{folder}/{SHARD_EMBEDDINGS_FILE}", to_parquet_bytes(table))
+    fault_point("index.shard_written")
     index_entry = write_file(uri, f"{folder}/{SHARD_INDEX_FILE}", backend.serialize(index))
-    entry = ShardEntry(name=name, count=len(table), id_start=int(ids[0]), index=index_entry,
-                       embeddings=embeddings, created=now(), source=source)
-    _check_no_other_writer(uri, manifest)
-    manifest.shards.append(entry)
-    try:
-        write_manifest(uri, manifest)
-    except BaseException:
-        manifest.shards.pop()  # not committed: keep the caller's manifest as it is on storage
-        raise
-    return entry
+    return ShardEntry(name=name, count=len(table), id_start=id_start, index=index_entry,
+                      embeddings=embeddings, created=now(), source=source)
 
 
-def _check_no_other_writer(uri: str, manifest: Manifest) -> None:
-    committed = len(read_manifest(uri).shards)
-    if committed != len(manifest.shards):
-        raise IndexIntegrityError(f"index {uri} gained {committed - len(manifest.shards)} shard(s) from "
-                                  f"another writer during this write; run one writer per index")
+def _write_tombstones(uri: str, manifest: Manifest,
+                      remove: np.ndarray | None) -> tuple[dict[str, ShardEntry], int]:
+    """A new removed-ids file for every shard that loses live ids; (name -> new entry, ids removed)."""
+    remove = np.unique(np.asarray(remove if remove is not None else [], dtype=np.int64))
+    if not len(remove) or not manifest.shards:
+        return {}, 0
+    starts = np.array([s.id_start for s in manifest.shards], dtype=np.int64)
+    shard_of = np.searchsorted(starts, remove, side="right") - 1
+    changed, count = {}, 0
+    for i in np.unique(shard_of[shard_of >= 0]):
+        entry = manifest.shards[i]
+        ids = remove[(shard_of == i) & (remove < entry.id_end)]
+        old = removed_ids(uri, entry)
+        new = np.union1d(old, ids).astype(np.int64)
+        if len(new) == len(old):
+            continue
+        buf = io.BytesIO()
+        np.save(buf, new, allow_pickle=False)
+        data = buf.getvalue()
+        path = f"{SHARDS_DIR}/{entry.name}/{REMOVED_PREFIX}{storage.sha256(data)[:16]}.npy"
+        changed[entry.name] = dataclasses.replace(entry, removed=write_file(uri, path, data),
+                                                  removed_count=len(new))
+        count += len(new) - len(old)
+    return changed, count
+
+
+def compact(uri: str, min_fraction: float) -> CommitReport:
+    """Rewrite the live rows of every shard whose removed rows reach ``min_fraction`` of it as new
+    shards, dropping the old ones, in one commit (crash-safe: the old shards stay committed until
+    the manifest names the new ones; their folders are deleted by the next write)."""
+    manifest = read_manifest(uri)
+    worn = [s for s in manifest.shards if s.removed_count and s.removed_count >= min_fraction * s.count]
+    if not worn:
+        return CommitReport(total=manifest.total, manifest=manifest)
+    parts = [_live_rows(uri, s) for s in worn]
+    live = pa.concat_tables(parts, promote_options="permissive") if parts else None
+    log.info("compacting %d shard(s) of %s: %d live row(s) kept, %d removed row(s) dropped", len(worn), uri,
+             sum(s.live for s in worn), sum(s.removed_count for s in worn))
+    return commit_changes(uri, live, source="compaction", drop=tuple(s.name for s in worn))
+
+
+def live_table(uri: str) -> pa.Table:
+    """Every live row of the committed shards (removed rows left out), all stored columns but index_id."""
+    manifest = read_manifest(uri)
+    parts = [_live_rows(uri, s) for s in manifest.shards]
+    if not parts:
+        raise IndexInputError(f"index {uri} has no items yet")
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def _live_rows(uri: str, shard: ShardEntry) -> pa.Table:
+    """A shard's stored rows less its removed ones, without index_id (ready to be written again)."""
+    table = read_table(storage.join(uri, *shard.embeddings.path.split("/")))
+    keep = np.ones(len(table), dtype=bool)
+    keep[removed_ids(uri, shard) - shard.id_start] = False
+    return table.filter(pa.array(keep)).drop_columns([INDEX_ID])
+
+
+def _state_key(manifest: Manifest) -> tuple:
+    """What changes with every commit: the shards with their removals."""
+    return tuple((s.name, s.index.sha256, s.removed.sha256 if s.removed else "") for s in manifest.shards)
+
+
+def _check_no_other_writer(uri: str, before: tuple) -> None:
+    if _state_key(read_manifest(uri)) != before:
+        raise IndexIntegrityError(f"index {uri} was changed by another writer during this write; run one "
+                                  f"writer per index (the next run converges)")
 
 
 def _read_trained(uri: str, manifest: Manifest) -> bytes:
@@ -178,18 +296,28 @@ def _read_trained(uri: str, manifest: Manifest) -> bytes:
 
 
 def indexed_item_ids(uri: str, manifest: Manifest | None = None) -> pa.Array:
-    """Every item id in the committed shards, in global id order (what a re-run must skip)."""
+    """Every live item id in the committed shards, in global id order (what a re-run must skip)."""
     manifest = manifest or read_manifest(uri)
-    parts = [read_columns(storage.join(uri, *s.embeddings.path.split("/")), [ITEM_ID])[ITEM_ID]
-             for s in manifest.shards]
+    parts = [_live_column(uri, s, ITEM_ID) for s in manifest.shards]
     if not parts:
         return pa.array([], type=pa.string())
     return pa.chunked_array([c for p in parts for c in p.chunks], type=parts[0].type).combine_chunks()
 
 
+def _live_column(uri: str, shard: ShardEntry, column: str) -> pa.ChunkedArray:
+    col = read_columns(storage.join(uri, *shard.embeddings.path.split("/")), [column])[column]
+    if not shard.removed_count:
+        return col
+    keep = np.ones(len(col), dtype=bool)
+    keep[removed_ids(uri, shard) - shard.id_start] = False
+    return col.filter(pa.array(keep))
+
+
 def clean_orphans(uri: str, manifest: Manifest | None = None) -> list[str]:
-    """Delete shard folders the manifest does not list (left by crashed writes); returns them."""
-    orphans = orphan_shards(uri, manifest or read_manifest(uri))
+    """Delete shard folders the manifest does not list (left by crashed writes or compaction) and
+    superseded removed-ids files; returns them."""
+    manifest = manifest or read_manifest(uri)
+    orphans = orphan_shards(uri, manifest) + orphan_files(uri, manifest)
     for orphan in orphans:
         log.warning("removing unfinished shard %s (not in the manifest)", orphan)
         storage.delete(orphan)
@@ -199,11 +327,9 @@ def clean_orphans(uri: str, manifest: Manifest | None = None) -> list[str]:
 def rebuild(src_uri: str, dst_uri: str, cfg: IndexConfig) -> AddReport:
     """A new index at ``dst_uri`` from the stored embeddings of ``src_uri`` (e.g. another type)."""
     manifest = read_manifest(src_uri)
-    tables = [read_table(storage.join(src_uri, *s.embeddings.path.split("/"))).drop_columns([INDEX_ID])
-              for s in manifest.shards]
-    if not tables:
+    if not manifest.shards:
         raise IndexInputError(f"index {src_uri} has no items to rebuild from")
-    table = pa.concat_tables(tables, promote_options="permissive")
+    table = live_table(src_uri)
     return build_index(dst_uri, table, cfg, model_id=manifest.model_id, source=f"rebuild of {src_uri}")
 
 

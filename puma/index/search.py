@@ -17,6 +17,7 @@ its CPU copies; without them such a search is refused.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +26,15 @@ import pyarrow.compute as pc
 
 from puma import storage
 from puma.index import backend
-from puma.index.manifest import FileEntry, IndexIntegrityError, Manifest, ShardEntry, read_manifest
+from puma.index.manifest import (
+    FileEntry,
+    IndexIntegrityError,
+    Manifest,
+    ShardEntry,
+    read_checked,
+    read_manifest,
+    removed_ids,
+)
 from puma.index.plan import IndexInputError
 from puma.index.table import EMBEDDING, ITEM_ID, embedding_matrix, read_columns, read_rows
 from puma.index.verify import verify
@@ -51,67 +60,90 @@ def merge_topk(scores: list[np.ndarray], ids: list[np.ndarray], k: int,
 
 
 class ShardedIndex:
-    """The committed shards of one index, searched together (``ShardedIndex.open(uri)``)."""
+    """The committed shards of one index, searched together (``ShardedIndex.open(uri)``).
 
-    def __init__(self, uri: str, manifest: Manifest, trained: faiss.Index, shards: list[faiss.Index],
-                 item_ids: pa.Array, on_gpu: bool, nprobe: int, query_chunk: int = 65536,
-                 cpu_shards: list[faiss.Index] | None = None, use_gpu: bool = False) -> None:
+    Rows: the shards' Parquet rows concatenated in shard order, 0..ntotal-1. Search results, item
+    lookups, ``allowed`` masks and ``rows`` speak rows, which equal the FAISS global ids until a
+    compaction leaves a gap in the ids. Removed (tombstoned) rows stay as rows with a null item id,
+    are taken out of the FAISS shards as they load, and are never returned (``live`` is False).
+    """
+
+    def __init__(self, uri: str, manifest: Manifest, trained: faiss.Index, loaded: list[LoadedShard],
+                 on_gpu: bool, nprobe: int, query_chunk: int = 65536, keep_cpu: bool = False,
+                 use_gpu: bool = False) -> None:
         self.uri, self.manifest, self.on_gpu = uri, manifest, on_gpu
         self.nprobe, self.query_chunk, self.use_gpu = nprobe, query_chunk, use_gpu
         self._trained = trained  # owns the shared coarse quantizer
         ivf = backend.ivf_of(trained)
         self._cpu_coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
         self._coarse = None if on_gpu else self._cpu_coarse
-        self._shards = shards
-        self._cpu_shards = shards if not on_gpu else cpu_shards  # for selector searches
-        self._item_ids = item_ids  # (N,) item id of each global id
-        self._starts = np.array([s.id_start for s in manifest.shards], dtype=np.int64)
+        self._loaded = loaded
+        self._shards = [s.index for s in loaded]
+        cpu_copies = [s.cpu_index for s in loaded] if keep_cpu else None
+        self._cpu_shards = self._shards if not on_gpu else cpu_copies
+        self._item_ids = _concat([s.item_ids for s in loaded])  # (N,) item id of each row, null: removed
+        self._starts = np.array([s.entry.id_start for s in loaded], dtype=np.int64)  # first global id
+        self._offsets = np.cumsum([0] + [s.entry.count for s in loaded])[:-1].astype(np.int64)  # first row
+        self._gapless = bool(np.array_equal(self._starts, self._offsets))
+        self.live = self._item_ids.is_valid().to_numpy(zero_copy_only=False)  # (N,) bool
+        self.live_total = int(self.live.sum())
 
     @classmethod
     def open(cls, uri: str, nprobe: int = 16, use_gpu: bool = True, check: bool = False,
              query_chunk: int = 65536, keep_cpu: bool = False) -> ShardedIndex:
         """Load every committed shard (checksums checked as loaded; ``check`` runs a full verify).
 
+        ``uri`` may be an index location with versions: its live version is opened.
         ``keep_cpu``: on GPU, also keep the CPU shards for restricted (``allowed``) searches.
         """
+        from puma.index.versions import resolve
+
+        uri = resolve(uri)
         if check:
             verify(uri).raise_if_bad()
         manifest = read_manifest(uri)
         if not manifest.shards:
             raise IndexInputError(f"index {uri} has no shards yet; add items before searching")
         trained = backend.deserialize(_read_checked(uri, manifest.trained))
-        shards, cpu_shards, on_gpu = _load_shards(uri, manifest.shards, use_gpu, keep_cpu)
-        return cls(uri, manifest, trained, shards, _load_item_ids(uri, manifest.shards), on_gpu, nprobe,
-                   query_chunk, cpu_shards if keep_cpu else None, use_gpu)
+        loaded = [_load_shard(uri, entry, use_gpu, keep_cpu) for entry in manifest.shards]
+        on_gpu = any(s.on_gpu for s in loaded)
+        return cls(uri, manifest, trained, loaded, on_gpu, nprobe, query_chunk, keep_cpu, use_gpu)
 
     def refreshed(self, manifest: Manifest | None = None) -> ShardedIndex:
-        """This index with the shards committed since it was opened, loading only those (itself when
-        there are none). A manifest that does not extend this one (another trained index, a changed
-        or removed shard: a rebuild) opens the index anew."""
+        """This index as ``manifest`` says it is now, loading only the shards that are new or whose
+        removals changed (itself when nothing did). Another trained index (a rebuild) opens anew."""
         manifest = manifest or read_manifest(self.uri)
-        if not self.extended_by(manifest):
+        keep_cpu = self._cpu_shards is not None and self.on_gpu
+        if manifest.trained.sha256 != self.manifest.trained.sha256:
             return ShardedIndex.open(self.uri, self.nprobe, self.use_gpu, query_chunk=self.query_chunk,
-                                     keep_cpu=self._cpu_shards is not None)
-        new = manifest.shards[len(self.manifest.shards):]
-        if not new:
+                                     keep_cpu=keep_cpu)
+        if [_fingerprint(s) for s in manifest.shards] == [_fingerprint(s) for s in self.manifest.shards]:
             return self
-        shards, cpu_shards, _ = _load_shards(self.uri, new, self.on_gpu, self._cpu_shards is not None)
-        item_ids = pa.chunked_array([self._item_ids, _load_item_ids(self.uri, new)]).combine_chunks()
-        keep_cpu = self._cpu_shards is not None
-        return ShardedIndex(self.uri, manifest, self._trained, self._shards + shards, item_ids, self.on_gpu,
-                            self.nprobe, self.query_chunk,
-                            (self._cpu_shards + cpu_shards) if keep_cpu else None, self.use_gpu)
+        have = {_fingerprint(s.entry): s for s in self._loaded}
+        loaded = [have.get(_fingerprint(e)) or _load_shard(self.uri, e, self.on_gpu, keep_cpu)
+                  for e in manifest.shards]
+        return ShardedIndex(self.uri, manifest, self._trained, loaded, self.on_gpu, self.nprobe,
+                            self.query_chunk, keep_cpu, self.use_gpu)
 
-    def extended_by(self, manifest: Manifest) -> bool:
-        """Whether ``manifest`` holds this index's trained index and shards, unchanged, first."""
-        old = self.manifest.shards
-        if manifest.trained.sha256 != self.manifest.trained.sha256 or len(manifest.shards) < len(old):
-            return False
-        kept = manifest.shards[:len(old)]
-        return all(_fingerprint(a) == _fingerprint(b) for a, b in zip(old, kept, strict=True))
+    def columns_by_shard(self, columns: list[str], cache: dict) -> tuple[pa.Table, dict]:
+        """``table(columns, missing_ok=True)``, reading only shards absent from ``cache`` (shard
+        fingerprint -> its columns); returns the table and the cache of this index's shards."""
+        fresh = {}
+        for shard in self._loaded:
+            key = (shard.entry.name, shard.entry.embeddings.sha256)  # removals do not change the columns
+            fresh[key] = cache[key] if key in cache else read_columns(
+                _path(self.uri, shard.entry.embeddings), columns, missing_ok=True)
+        parts = list(fresh.values())
+        return pa.concat_tables(parts, promote_options="permissive").combine_chunks(), fresh
+
+    def reused_shards(self, other: ShardedIndex) -> int:
+        """How many of this index's loaded shards are the very objects ``other`` holds (refresh tests)."""
+        theirs = {id(s) for s in other._loaded}
+        return sum(id(s) in theirs for s in self._loaded)
 
     @property
     def ntotal(self) -> int:
+        """Rows (the length of ``live`` and of ``allowed`` masks), removed ones included."""
         return len(self._item_ids)
 
     @property
@@ -130,10 +162,31 @@ class ShardedIndex:
         ``allowed``: bool (N,) over global ids; only those are returned (-1 pads when fewer than k).
         """
         q = self._check_queries(queries, k)
-        selector = None if allowed is None else backend.id_selector(self._check_allowed(allowed))
+        selector = None
+        if allowed is not None:
+            selector = backend.id_selector(self._id_mask(self._check_allowed(allowed)))
         parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe or self.nprobe, selector)
                  for i in range(0, len(q), self.query_chunk)]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return np.concatenate([p[0] for p in parts]), self._to_rows(np.concatenate([p[1] for p in parts]))
+
+    def _to_rows(self, ids: np.ndarray) -> np.ndarray:
+        """FAISS global ids (any shape, -1: none) -> rows (same shape, -1: none)."""
+        if self._gapless:
+            return ids
+        flat = ids.ravel()
+        shard = np.maximum(np.searchsorted(self._starts, flat, side="right") - 1, 0)
+        rows = np.where(flat >= 0, self._offsets[shard] + flat - self._starts[shard], -1)
+        return rows.reshape(ids.shape)
+
+    def _id_mask(self, rows_mask: np.ndarray) -> np.ndarray:
+        """A bool mask over rows -> the same selection as a mask over FAISS global ids."""
+        if self._gapless:
+            return rows_mask
+        rows = np.flatnonzero(rows_mask)
+        shard = np.searchsorted(self._offsets, rows, side="right") - 1
+        mask = np.zeros(self.manifest.next_id, dtype=bool)
+        mask[self._starts[shard] + rows - self._offsets[shard]] = True
+        return mask
 
     def _search_chunk(self, q: np.ndarray, k: int, nprobe: int,
                       selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +207,7 @@ class ShardedIndex:
     def _check_allowed(self, allowed: np.ndarray) -> np.ndarray:
         mask = np.asarray(allowed)
         if mask.shape != (self.ntotal,) or mask.dtype != bool:
-            raise IndexInputError(f"allowed must be a bool mask of shape ({self.ntotal},) over global ids, "
+            raise IndexInputError(f"allowed must be a bool mask of shape ({self.ntotal},) over rows, "
                                   f"got {mask.dtype} {mask.shape}")
         if self._cpu_shards is None:
             raise IndexInputError("FAISS GPU indexes ignore ID selectors: open the index with keep_cpu=True "
@@ -162,9 +215,11 @@ class ShardedIndex:
         return mask
 
     def max_k(self) -> int:
-        """The most neighbours one search returns: every item, or FAISS GPU's limit on a GPU-only index."""
+        """The most neighbours one search returns: every live item, or FAISS GPU's limit on a GPU-only
+        index."""
         gpu_only = self.on_gpu and self._cpu_shards is None
-        return min(self.ntotal, backend.GPU_MAX_K) if gpu_only else self.ntotal
+        most = max(self.live_total, 1)
+        return min(most, backend.GPU_MAX_K) if gpu_only else most
 
     def _check_queries(self, queries: np.ndarray, k: int) -> np.ndarray:
         q = np.asarray(queries)
@@ -177,14 +232,14 @@ class ShardedIndex:
         return np.ascontiguousarray(q, dtype=np.float32)
 
     def to_item_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Global ids (any shape, -1 for none) -> item ids (same shape, '' for none)."""
+        """Rows (any shape, -1 for none) -> item ids (same shape, '' for none or removed)."""
         flat = np.asarray(ids, dtype=np.int64).ravel()
         names = np.array(self._item_ids.take(pa.array(np.maximum(flat, 0))).to_pylist(), dtype=object)
-        names[flat < 0] = ""
+        names[(flat < 0) | (names == None)] = ""  # noqa: E711 - element-wise
         return names.reshape(np.shape(ids))
 
     def lookup(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
-        """Item ids -> global int64 ids; raises IndexInputError naming any that are not indexed."""
+        """Item ids -> rows (int64); raises IndexInputError naming any that are not indexed (or removed)."""
         wanted = pa.array([str(x) for x in item_ids], type=self._item_ids.type)
         found = pc.index_in(wanted, value_set=self._item_ids)
         if found.null_count:
@@ -198,16 +253,16 @@ class ShardedIndex:
         return embedding_matrix(self.rows(self.lookup(item_ids), [ITEM_ID, EMBEDDING]))
 
     def rows(self, ids: np.ndarray, columns: list[str]) -> pa.Table:
-        """Stored columns of items by global id (n,), in that order; a column a shard lacks is null."""
+        """Stored columns of items by row (n,), in that order; a column a shard lacks is null."""
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return pa.table({name: pa.nulls(0) for name in columns})
-        shard_of = np.searchsorted(self._starts, ids, side="right") - 1  # (n,)
+        shard_of = np.searchsorted(self._offsets, ids, side="right") - 1  # (n,)
         parts, order = [], []
         for s in np.unique(shard_of):
             rows = np.flatnonzero(shard_of == s)
             entry = self.manifest.shards[s]
-            part = read_rows(_path(self.uri, entry.embeddings), ids[rows] - entry.id_start, columns,
+            part = read_rows(_path(self.uri, entry.embeddings), ids[rows] - self._offsets[s], columns,
                              missing_ok=True)
             parts.append(part)
             order.append(rows)
@@ -215,7 +270,8 @@ class ShardedIndex:
         return table.take(pa.array(np.argsort(np.concatenate(order), kind="stable")))
 
     def table(self, columns: list[str], missing_ok: bool = False) -> pa.Table:
-        """Stored columns of every item in global id order (``missing_ok``: absent columns are null)."""
+        """Stored columns of every row, removed ones included (see ``live``), in row order
+        (``missing_ok``: absent columns are null)."""
         parts = [read_columns(_path(self.uri, shard.embeddings), columns, missing_ok)
                  for shard in self.manifest.shards]
         return pa.concat_tables(parts, promote_options="permissive")
@@ -249,37 +305,48 @@ def _path(uri: str, entry: FileEntry) -> str:
 
 
 def _read_checked(uri: str, entry: FileEntry) -> bytes:
-    """A file's bytes, refused when they do not match the manifest's sha256."""
-    data = storage.read_bytes(_path(uri, entry))
-    if storage.sha256(data) != entry.sha256:
-        raise IndexIntegrityError(f"{_path(uri, entry)} does not match its manifest checksum; run "
-                                  f"puma.index.verify({uri!r}) and rebuild the damaged shard")
-    return data
+    return read_checked(uri, entry)
 
 
-def _fingerprint(shard: ShardEntry) -> tuple[str, str, str, int, int]:
-    return shard.name, shard.index.sha256, shard.embeddings.sha256, shard.id_start, shard.count
+def _fingerprint(shard: ShardEntry) -> tuple:
+    removed = shard.removed.sha256 if shard.removed else ""
+    return shard.name, shard.index.sha256, shard.embeddings.sha256, shard.id_start, shard.count, removed
 
 
-def _load_shards(uri: str, entries: list[ShardEntry], use_gpu: bool,
-                 keep_cpu: bool) -> tuple[list[faiss.Index], list[faiss.Index], bool]:
-    """(search shards, their CPU copies when ``keep_cpu``, on GPU?) of the given shard entries."""
-    shards, cpu_shards, on_gpu = [], [], False
-    for shard in entries:
-        cpu_index = backend.deserialize(_read_checked(uri, shard.index))
-        index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
-        shards.append(index)
-        if keep_cpu:
-            cpu_shards.append(cpu_index)
-    return shards, cpu_shards, on_gpu
+@dataclass
+class LoadedShard:
+    """One shard in memory: its FAISS index (removed ids taken out), the CPU copy, its rows' item ids."""
+
+    entry: ShardEntry
+    index: faiss.Index
+    cpu_index: faiss.Index
+    item_ids: pa.Array  # (count,) null where removed
+    on_gpu: bool
 
 
-def _load_item_ids(uri: str, entries: list[ShardEntry]) -> pa.Array:
-    """Item id of every global id of the given shards, concatenated in shard order (ids are contiguous)."""
-    parts = []
-    for shard in entries:
-        col = read_columns(_path(uri, shard.embeddings), [ITEM_ID])[ITEM_ID]
-        if len(col) != shard.count:
-            raise IndexIntegrityError(f"{shard.name}: {len(col)} Parquet rows; manifest says {shard.count}")
-        parts.extend(col.chunks)
-    return pa.chunked_array(parts).combine_chunks()
+def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool) -> LoadedShard:
+    """A shard's index (checksum checked), less its removed ids, on the search device."""
+    cpu_index = backend.deserialize(_read_checked(uri, entry.index))
+    item_ids = _load_item_ids(uri, entry)
+    removed = removed_ids(uri, entry)  # (R,) global ids
+    if len(removed):
+        cpu_index.remove_ids(removed)
+        dead = np.zeros(entry.count, dtype=bool)
+        dead[removed - entry.id_start] = True
+        item_ids = pc.if_else(pa.array(dead), pa.nulls(entry.count, item_ids.type), item_ids)
+    index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
+    return LoadedShard(entry, index, cpu_index if keep_cpu or not on_gpu else None, item_ids, on_gpu)
+
+
+def _load_item_ids(uri: str, shard: ShardEntry) -> pa.Array:
+    """Item id of every row of the shard, in row order."""
+    col = read_columns(_path(uri, shard.embeddings), [ITEM_ID])[ITEM_ID]
+    if len(col) != shard.count:
+        raise IndexIntegrityError(f"{shard.name}: {len(col)} Parquet rows; manifest says {shard.count}")
+    return col.combine_chunks()
+
+
+def _concat(arrays: list[pa.Array]) -> pa.Array:
+    if not arrays:
+        return pa.array([], pa.string())
+    return pa.chunked_array(arrays, type=arrays[0].type).combine_chunks()

@@ -30,6 +30,10 @@ ROLE = "role"  # string: query | gallery | train (puma.data.schema roles)
 CATALOGUE = "catalogue"  # string: the catalogue URI the item was embedded from
 IMAGE_URI = "image_uri"  # string: where the image bytes are (an image file, or a Parquet file)
 IMAGE_ROW = "image_row"  # int64: -1 when image_uri is an image file, else the row in that Parquet
+CLASS_NAME = "class_name"  # string: the label's name ('' when unknown)
+METADATA = "metadata"  # string: a JSON object of a catalogue table's other columns ('{}' when none)
+STAMP = "stamp"  # string: what the catalogue listing says of the image (size:mtime, or shard#row)
+FINGERPRINT = "fingerprint"  # string: sha256:<hex> of the image bytes that were embedded
 NO_LABEL = -1
 ROW_GROUP_ROWS = 8192  # rows per Parquet row group; search_by_item_id reads only the groups it needs
 

@@ -1,8 +1,9 @@
 """verify(uri): every file the manifest lists exists with its size and sha256, and the counts agree.
 
-Checks: trained.faiss and each shard's files (size, sha256); per shard, Parquet rows == index
-vectors == manifest count, index_id == [id_start, id_start + count) with contiguous id_start;
-item ids unique across the index. Shard folders absent from the manifest are listed as orphans
+Checks: trained.faiss and each shard's files (size, sha256), its removed-ids file too; per shard,
+Parquet rows == index vectors == manifest count, index_id == [id_start, id_start + count), shards
+in increasing id order (a compaction leaves a gap, never an overlap); live item ids (removed rows
+left out) unique across the index. Shard folders absent from the manifest are listed as orphans
 (an unfinished write; not an error, the next write removes them).
 """
 
@@ -24,6 +25,7 @@ from puma.index.manifest import (
     file_sha256,
     orphan_shards,
     read_manifest,
+    removed_ids,
 )
 from puma.index.table import INDEX_ID, ITEM_ID, read_columns
 
@@ -52,18 +54,22 @@ class VerifyReport:
 
 
 def verify(uri: str) -> VerifyReport:
-    """Check checksums, sizes and counts of the index at ``uri`` against its manifest."""
+    """Check checksums, sizes and counts of the index at ``uri`` against its manifest (for a location
+    with versions, verify ``puma.index.versions.resolve(location)``)."""
     manifest = read_manifest(uri)
     report = VerifyReport(uri=uri, shards=len(manifest.shards), items=manifest.total)
     _check_file(uri, manifest.trained, report)
     item_ids = []
     next_start = 0
     for shard in manifest.shards:
-        if shard.id_start != next_start:
-            report.problems.append(f"{shard.name}: id_start {shard.id_start} != expected {next_start}")
+        if shard.id_start < next_start:
+            report.problems.append(f"{shard.name}: id_start {shard.id_start} overlaps the shard before "
+                                   f"(ids up to {next_start - 1})")
         next_start = shard.id_start + shard.count
-        if _check_file(uri, shard.index, report) and _check_file(uri, shard.embeddings, report):
-            item_ids.append(_check_shard(uri, manifest, shard, report))
+        removed_ok = shard.removed is None or _check_file(uri, shard.removed, report)
+        files_ok = _check_file(uri, shard.index, report) and _check_file(uri, shard.embeddings, report)
+        if files_ok and removed_ok:
+            item_ids.append(_live(uri, shard, _check_shard(uri, manifest, shard, report), report))
     _check_unique(item_ids, report)
     report.orphans = orphan_shards(uri, manifest)
     return report
@@ -96,6 +102,18 @@ def _check_shard(uri: str, manifest: Manifest, shard: ShardEntry, report: Verify
         report.problems.append(f"{shard.name}: index holds {index.ntotal} vectors of dim {index.d}; "
                                f"manifest says {shard.count} of dim {manifest.dim}")
     return table[ITEM_ID]
+
+
+def _live(uri: str, shard: ShardEntry, item_ids: pa.ChunkedArray, report: VerifyReport) -> pa.ChunkedArray:
+    """The shard's item ids less its removed rows."""
+    try:
+        removed = removed_ids(uri, shard) - shard.id_start
+    except IndexIntegrityError as exc:
+        report.problems.append(str(exc))
+        return item_ids
+    keep = np.ones(len(item_ids), dtype=bool)
+    keep[removed[removed < len(keep)]] = False
+    return item_ids.filter(pa.array(keep))
 
 
 def _check_unique(item_ids: list[pa.ChunkedArray], report: VerifyReport) -> None:

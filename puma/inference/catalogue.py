@@ -1,21 +1,27 @@
 """Catalogues: what a batch-embedding job reads, listed as references to image bytes (no bytes read).
 
-A catalogue is a folder (local path or s3:// prefix), either
+A catalogue is
 
-- a prepared dataset (it has ``manifest.json``, see ``puma.data.manifest``): one item per row of
-  the split's shards; item_id, dataset, label and role are the row's; the bytes are the row's
-  ``image`` column, so ``image_uri`` is the shard's URI and ``image_row`` the row in it; or
-- images under the prefix (any depth): item_id = ``<catalogue folder name>/<relative path>``,
-  dataset = the folder name, label = -1 (NO_LABEL), role = gallery, image_uri = the file,
-  image_row = -1. Files without an image extension are counted as ignored, never embedded.
+- a prepared dataset (a folder with ``manifest.json``, see ``puma.data.manifest``): one item per
+  row of the split's shards; item_id, dataset, label and role are the row's; the bytes are the
+  row's ``image`` column, so ``image_uri`` is the shard's URI and ``image_row`` the row in it;
+- images under a folder or prefix (any depth): item_id = ``<catalogue folder name>/<relative
+  path>``, dataset = the folder name, label = -1 (NO_LABEL), role = gallery, image_uri = the file,
+  image_row = -1. Files without an image extension are counted as ignored, never embedded; or
+- a table (``.csv``, ``.jsonl`` or ``.parquet``, see ``puma.data.tables``): one item per row,
+  item_id and image_uri from the row, label / dataset when given, every other column as the
+  item's ``metadata`` (JSON). Bad rows (empty or repeated item id, no image_uri) are rejects.
 
-References are a pyarrow table (REF_COLUMNS), so the job can drop what is already indexed before
-any image is read or decoded.
+References are a pyarrow table (REF_COLUMNS), so the job can drop what is indexed and unchanged
+before any image is read or decoded. ``stamp`` is what the listing says of the image (size and
+write time of a file, or shard and row of a prepared item): when it is the stamp stored with the
+indexed item, the image is unchanged and is not read (``puma.inference.reconcile``).
 """
 
 from __future__ import annotations
 
 import posixpath
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -24,23 +30,30 @@ import pyarrow.compute as pc
 from puma import storage
 from puma.data import schema
 from puma.data.manifest import load_manifest
+from puma.data.tables import TABLE_SUFFIXES, is_table, read_item_table
 from puma.errors import UserError
 from puma.index.table import (
     CATALOGUE,
+    CLASS_NAME,
     DATASET,
+    FINGERPRINT,
     IMAGE_ROW,
     IMAGE_URI,
     ITEM_ID,
     LABEL,
+    METADATA,
     NO_LABEL,
     ROLE,
+    STAMP,
     read_columns,
 )
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SPLIT = schema.SPLIT
 SOURCE_PATH = schema.SOURCE_PATH
-REF_COLUMNS = (ITEM_ID, DATASET, LABEL, ROLE, SPLIT, SOURCE_PATH, CATALOGUE, IMAGE_URI, IMAGE_ROW)
+REF_COLUMNS = (ITEM_ID, DATASET, LABEL, CLASS_NAME, ROLE, SPLIT, SOURCE_PATH, CATALOGUE, IMAGE_URI, IMAGE_ROW,
+               METADATA, STAMP, FINGERPRINT)
+INT_COLUMNS = (LABEL, IMAGE_ROW)
 SPLITS = {"all": schema.STORED_SPLITS, "train": (schema.TRAIN,), "test": (schema.TEST,)}
 
 
@@ -49,9 +62,11 @@ class CatalogueError(UserError, ValueError):
 
 
 def catalogue_name(uri: str) -> str:
-    """The catalogue's folder name (the last path component)."""
+    """The catalogue's folder name (the last path component; a table's file name without suffix)."""
     name = posixpath.basename(str(uri).rstrip("/")) if storage.is_s3(uri) else \
         posixpath.basename(storage.absolute(uri).rstrip("/"))
+    if is_table(name):
+        name = name.rsplit(".", 1)[0]
     if not name:
         raise CatalogueError(f"catalogue {uri!r} has no folder name; give a folder, not a bucket root")
     return name
@@ -63,18 +78,40 @@ def is_prepared(uri: str) -> bool:
 
 
 def list_catalogues(prefix: str) -> list[str]:
-    """The catalogues under ``prefix``: its immediate sub-folders, sorted."""
-    return storage.list_dirs(prefix)
+    """The catalogues under ``prefix``: its immediate sub-folders and its table files, sorted."""
+    tables = [f for f in storage.list_files(prefix, recursive=False) if is_table(f)]
+    return sorted(storage.list_dirs(prefix) + tables)
+
+
+@dataclass
+class Listing:
+    """A catalogue as listed: its references, non-image files ignored, rows rejected by the listing."""
+
+    refs: pa.Table
+    ignored: int = 0
+    rejects: list[dict] = field(default_factory=list)
 
 
 def catalogue_refs(uri: str, split: str = "all") -> tuple[pa.Table, int]:
     """(references to every item of the catalogue, number of non-image files ignored)."""
+    listing = list_catalogue(uri, split)
+    return listing.refs, listing.ignored
+
+
+def list_catalogue(uri: str, split: str = "all") -> Listing:
+    """Every item of the catalogue as a reference (no image read), with what the listing rejected."""
     uri = storage.absolute(uri)
-    refs, ignored = (_prepared_refs(uri, split), 0) if is_prepared(uri) else _image_refs(uri)
-    if len(refs) == 0:
+    if is_table(uri):
+        listing = _table_refs(uri)
+    elif is_prepared(uri):
+        listing = Listing(_prepared_refs(uri, split))
+    else:
+        listing = _image_refs(uri)
+    if len(listing.refs) == 0 and not listing.rejects:
         raise CatalogueError(f"catalogue {uri} has no items to embed (split {split!r}); expected a prepared "
-                             f"dataset (manifest.json) or image files ({', '.join(IMAGE_SUFFIXES)})")
-    return refs, ignored
+                             f"dataset (manifest.json), image files ({', '.join(IMAGE_SUFFIXES)}) or a table "
+                             f"({', '.join(TABLE_SUFFIXES)}) with item_id and image_uri columns")
+    return listing
 
 
 def _prepared_refs(uri: str, split: str) -> pa.Table:
@@ -85,40 +122,70 @@ def _prepared_refs(uri: str, split: str) -> pa.Table:
     tables = []
     for stored in SPLITS[split]:
         for shard in manifest.shard_uris(stored):
-            cols = read_columns(shard, [ITEM_ID, DATASET, LABEL, ROLE, SPLIT, SOURCE_PATH])
+            cols = read_columns(shard, [ITEM_ID, DATASET, LABEL, CLASS_NAME, ROLE, SPLIT, SOURCE_PATH])
             n = len(cols)
+            # shards are content-addressed (their name is their sha256): shard + row names the bytes
+            stamps = [f"{posixpath.basename(shard)}#{row}" for row in range(n)]
             tables.append(cols.append_column(CATALOGUE, pa.array([uri] * n, pa.string()))
                           .append_column(IMAGE_URI, pa.array([shard] * n, pa.string()))
-                          .append_column(IMAGE_ROW, pa.array(np.arange(n, dtype=np.int64))))
+                          .append_column(IMAGE_ROW, pa.array(np.arange(n, dtype=np.int64)))
+                          .append_column(STAMP, pa.array(stamps, pa.string())))
     if not tables:
         return _empty_refs()
     return _typed(pa.concat_tables(tables))
 
 
-def _image_refs(uri: str) -> tuple[pa.Table, int]:
-    """One reference per image file under the prefix; (refs, non-image files ignored)."""
-    files = storage.list_files(uri)
-    images = [f for f in files if f.lower().endswith(IMAGE_SUFFIXES)]
+def _image_refs(uri: str) -> Listing:
+    """One reference per image file under the prefix, stamped by the listing (no file opened)."""
+    files = storage.list_file_stats(uri)
+    images = [f for f in files if f.uri.lower().endswith(IMAGE_SUFFIXES)]
     name = catalogue_name(uri)
     base = uri.rstrip("/") + "/"
-    rel = [f[len(base):] if f.startswith(base) else posixpath.basename(f) for f in images]
+    paths = [f.uri for f in images]
+    rel = [p[len(base):] if p.startswith(base) else posixpath.basename(p) for p in paths]
     n = len(images)
     refs = pa.table({ITEM_ID: [schema.make_item_id(name, r) for r in rel], DATASET: [name] * n,
                      LABEL: pa.array(np.full(n, NO_LABEL, np.int64)), ROLE: [schema.GALLERY] * n,
-                     SPLIT: [""] * n, SOURCE_PATH: images, CATALOGUE: [uri] * n, IMAGE_URI: images,
-                     IMAGE_ROW: pa.array(np.full(n, -1, np.int64))})
-    return _typed(refs), len(files) - n
+                     SPLIT: [""] * n, SOURCE_PATH: paths, CATALOGUE: [uri] * n, IMAGE_URI: paths,
+                     IMAGE_ROW: pa.array(np.full(n, -1, np.int64)), STAMP: [f.stamp for f in images]})
+    return Listing(_typed(refs), len(files) - n)
+
+
+def _table_refs(uri: str) -> Listing:
+    """One reference per valid row of a catalogue table; each image stamped by asking its store."""
+    table = read_item_table(uri, catalogue_name(uri))
+    rows = table.rows
+    n = len(rows)
+    images = rows[IMAGE_URI].to_pylist()
+    stats = storage.stat_files(images)
+    refs = pa.table({ITEM_ID: rows[ITEM_ID], DATASET: rows[DATASET], LABEL: rows[LABEL],
+                     CLASS_NAME: rows[CLASS_NAME], ROLE: [schema.GALLERY] * n, SPLIT: [""] * n,
+                     SOURCE_PATH: images, CATALOGUE: [uri] * n, IMAGE_URI: images,
+                     IMAGE_ROW: pa.array(np.full(n, -1, np.int64)), METADATA: rows[METADATA],
+                     STAMP: [st.stamp if st is not None else "" for st in stats]})
+    return Listing(_typed(refs), 0, table.rejects)
 
 
 def _empty_refs() -> pa.Table:
-    return _typed(pa.table({c: pa.array([], pa.int64() if c in (LABEL, IMAGE_ROW) else pa.string())
+    return _typed(pa.table({c: pa.array([], pa.int64() if c in INT_COLUMNS else pa.string())
                             for c in REF_COLUMNS}))
 
 
+DEFAULTS = {CLASS_NAME: "", METADATA: "{}", STAMP: "", FINGERPRINT: ""}
+
+
 def _typed(table: pa.Table) -> pa.Table:
-    """The reference columns in order with their types (strings, label and image_row int64)."""
-    types = {c: pa.int64() if c in (LABEL, IMAGE_ROW) else pa.string() for c in REF_COLUMNS}
-    return pa.table({c: table[c].cast(types[c]) for c in REF_COLUMNS})
+    """The reference columns in order with their types (strings, label and image_row int64); the
+    optional ones a listing does not give are filled with their defaults."""
+    columns = {}
+    for c in REF_COLUMNS:
+        if c in table.column_names:
+            columns[c] = table[c].cast(pa.int64() if c in INT_COLUMNS else pa.string())
+            if c in DEFAULTS:
+                columns[c] = pc.fill_null(columns[c], DEFAULTS[c])
+        else:
+            columns[c] = pa.array([DEFAULTS[c]] * len(table), pa.string())
+    return pa.table(columns)
 
 
 def without(refs: pa.Table, item_ids: pa.Array) -> tuple[pa.Table, int]:

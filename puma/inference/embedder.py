@@ -4,8 +4,8 @@
                               eval view; rejects go to the RejectLog and leave the batch
                           ->  Embedder: the checkpoint's model, loaded once per actor, eval mode,
                               on a GPU when the actor has one
-    numpy batches: item_id, embedding float32 (B, E), dataset, label, role, catalogue, image_uri,
-                   image_row
+    numpy batches: item_id, embedding float32 (B, E), dataset, label, class_name, role, catalogue,
+                   image_uri, image_row, metadata, stamp, fingerprint (sha256 of the bytes read)
 
 Neither stage imports Ray; ``puma.inference.job`` wires them into a Ray Data pipeline.
 """
@@ -23,19 +23,25 @@ from puma.data.images import ImageRejected, ViewSpec, make_view, plan_worker_vie
 from puma.data.rejects import Reject
 from puma.index.table import (
     CATALOGUE,
+    CLASS_NAME,
     DATASET,
     EMBEDDING,
+    FINGERPRINT,
     IMAGE_ROW,
     IMAGE_URI,
     ITEM_ID,
     LABEL,
+    METADATA,
     ROLE,
+    STAMP,
     read_rows,
 )
 
 IMAGE = schema.BATCH_IMAGE
-META_COLUMNS = (ITEM_ID, DATASET, LABEL, ROLE, CATALOGUE, IMAGE_URI, IMAGE_ROW)
-OUTPUT_COLUMNS = (ITEM_ID, EMBEDDING, DATASET, LABEL, ROLE, CATALOGUE, IMAGE_URI, IMAGE_ROW)
+META_COLUMNS = (ITEM_ID, DATASET, LABEL, CLASS_NAME, ROLE, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA, STAMP,
+                FINGERPRINT)
+OUTPUT_COLUMNS = (ITEM_ID, EMBEDDING, *META_COLUMNS[1:])
+STRING_COLUMNS = (DATASET, CLASS_NAME, ROLE, CATALOGUE, IMAGE_URI, METADATA, STAMP, FINGERPRINT)
 
 
 def use_storage(cfg) -> None:
@@ -68,7 +74,7 @@ def read_image_bytes(refs: pa.Table) -> list[bytes | Exception]:
 def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], list[dict]]:
     """(numpy batch of the decodable references with their eval views, reject rows of the others);
     data.decode_on=worker: the plain JPEGs' views are planned, the Embedder decodes them on its device."""
-    keep, images, rejects = [], [], []
+    keep, images, rejects, prints = [], [], [], []
     for i, data in enumerate(read_image_bytes(refs)):
         try:
             if isinstance(data, Exception):
@@ -77,15 +83,23 @@ def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], 
                 raise ImageRejected("empty_file", "0 bytes")
             images.append((plan_worker_view if view.on_worker else make_view)(bytes(data), view))
             keep.append(i)
+            prints.append(fingerprint(bytes(data)))
         except ImageRejected as exc:
             rejects.append(_reject_row(refs, i, exc))
     kept = refs.take(pa.array(keep, pa.int64()))
+    where = kept.schema.get_field_index(FINGERPRINT)
+    kept = kept.set_column(where, FINGERPRINT, pa.array(prints, pa.string()))
     batch = {c: kept[c].to_numpy(zero_copy_only=False) for c in META_COLUMNS}
     if view.on_worker:
         return {**batch, **worker_columns(images, view)}, rejects
     size = view.img_size
     batch[IMAGE] = np.stack(images) if images else np.zeros((0, 3, size, size), np.float32)  # (B, 3, S, S)
     return batch, rejects
+
+
+def fingerprint(data: bytes) -> str:
+    """The content fingerprint an index stores per item: ``sha256:<hex>`` of the image bytes."""
+    return "sha256:" + storage.sha256(data)
 
 
 def _reject_row(refs: pa.Table, i: int, exc: ImageRejected) -> dict:
@@ -150,7 +164,7 @@ def to_table(batch: dict[str, np.ndarray]) -> pa.Table:
     emb = np.ascontiguousarray(batch[EMBEDDING], np.float32)  # (B, E)
     columns = {ITEM_ID: pa.array(batch[ITEM_ID].astype(str), pa.string()),
                EMBEDDING: pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), emb.shape[1])}
-    for c in (DATASET, ROLE, CATALOGUE, IMAGE_URI):
+    for c in STRING_COLUMNS:
         columns[c] = pa.array(batch[c].astype(str), pa.string())
     for c in (LABEL, IMAGE_ROW):
         columns[c] = pa.array(batch[c].astype(np.int64), pa.int64())

@@ -1,15 +1,25 @@
 """Batch embedding of catalogues into the sharded index: what ``jobs/embed.py`` runs.
 
+Every run reconciles: it brings each catalogue's part of the index to the catalogue as it is now.
+
     catalogue references (puma.inference.catalogue)        listed on the driver, no bytes read
-      - already indexed, - listed rejects                   dropped BEFORE any read or decode
+      x the index's live rows (puma.inference.reconcile)    new / changed / restamped / removed
+      - listed rejects                                      dropped BEFORE any read or decode
       -> Ray Data: read + decode + eval view (tasks, data.num_decode_cpus each)
       -> Embedder actors (embed.concurrency, model loaded once each, GPUs when present)
-      -> driver: iter_batches, a commit every embed.commit_rows items (puma.index.add_items:
-         shard files first, manifest last)
+      -> driver: iter_batches, a commit every embed.commit_rows items (puma.index.commit_changes:
+         shard files first, manifest last; a changed item's old row is removed in the same commit)
+      -> final commit: restamped rows, removals of items gone from the catalogue, the run's record
+      -> compaction of shards whose removed rows reach index.compact_fraction (its own commit)
 
-Exactly once: a crash loses at most the uncommitted block (and leaves at most an unfinished shard
-folder, which the next write deletes); a re-run skips every committed item id, so it embeds only
-the rest. One writer per index at a time.
+Only new and changed images are read and decoded. A crash loses at most the uncommitted block; the
+next run plans again from what is committed and converges. One writer per index at a time.
+
+Versions (puma.index.versions): ``index.uri`` is a location holding one index per model. A run
+writes the version of its checkpoint's model; when that is not the live version, it first embeds
+every catalogue the live version holds, and the new version goes live (``promote``, after a
+verify) once it holds them all (index.promote=auto; manual: jobs/index.py promote). A location
+written before versions existed (manifest.json at its root) is one index, as before.
 
 Training: a new index is planned (puma.index.plan) for embed.expected_items or the first
 catalogue's size. An exact (flat) index needs no training and is created with the first block.
@@ -18,14 +28,13 @@ sample of plan.train_sample of the catalogue's items; those items are then commi
 nothing is embedded twice. Every later catalogue joins the same trained index.
 
 Model id: ``puma.checkpoint.checkpoint_id``, the sha256 of the checkpoint's trainable weights, its
-model config and its probe embeddings: the same model copied elsewhere keeps its id, and a
-retrained ``best`` gets a new one, which the index refuses to mix with the old (build a new index
-for a new model).
+model config and its probe embeddings: the same model copied elsewhere keeps its id.
 
-Rejects: ``<index>/rejects/<catalogue folder name>.jsonl`` (puma.data.rejects format; reasons
-corrupt, truncated, tiny, too_large, missing_file, empty_file). A prepared catalogue's prepare-time
-rejects (of the embedded splits) are listed there too, so the file names every bad item of the
-catalogue. Listed items are not re-tried by later runs unless embed.retry_rejects is set.
+Rejects: ``<index.uri>/rejects/<catalogue name>.jsonl`` (puma.data.rejects format; reasons
+corrupt, truncated, tiny, too_large, missing_file, empty_file, and a table's empty_item_id,
+missing_image_uri, duplicate_item_id). A prepared catalogue's prepare-time rejects (of the
+embedded splits) are listed there too. Listed new items are not re-tried by later runs unless
+embed.retry_rejects is set; a changed item is always read again.
 """
 
 from __future__ import annotations
@@ -40,30 +49,44 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from puma import console, storage
 from puma.checkpoint import best_checkpoint_uri, checkpoint_id, load_model, read_checkpoint
 from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
+from puma.data import schema
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.manifest import load_manifest
 from puma.data.rejects import read_rejects, reject_counts, write_rejects
 from puma.errors import UserError
-from puma.index import add_items, create_index, indexed_item_ids, plan_index, read_manifest
-from puma.index.build import check_compatible
-from puma.index.manifest import has_manifest
-from puma.index.table import ITEM_ID, embedding_matrix
+from puma.faults import fault_point
+from puma.index import create_index, plan_index, read_manifest
+from puma.index.build import check_compatible, commit_changes, compact
+from puma.index.manifest import Manifest, has_manifest, now
+from puma.index.table import CATALOGUE, INDEX_ID, ITEM_ID, ROLE, embedding_matrix
+from puma.index.versions import (
+    is_legacy,
+    list_versions,
+    live_manifest,
+    missing_catalogues,
+    promote,
+    read_alias,
+    version_name,
+    version_uri,
+)
 from puma.inference.catalogue import (
     SPLITS,
     CatalogueError,
     catalogue_name,
-    catalogue_refs,
     check_unique,
     is_prepared,
+    list_catalogue,
     list_catalogues,
     without,
 )
 from puma.inference.embedder import Embedder, read_and_decode, to_table
+from puma.inference.reconcile import Plan, live_items, plan, restamped_rows
 
 log = logging.getLogger(__name__)
 REJECTS_DIR = "rejects"
@@ -74,19 +97,28 @@ class EmbedReport:
     """What one catalogue's run did."""
 
     catalogue: str
-    index_uri: str
+    index_uri: str  # the index written (a version folder of the location, or the location itself)
+    location: str = ""  # index.uri
+    version: str = ""  # the version written ('' for a location without versions)
     checkpoint: str = ""
     model_id: str = ""
-    items: int = 0  # items the catalogue lists (the selected split)
-    embedded: int = 0  # new items written to the index by this run
-    skipped_indexed: int = 0  # already in the index: not read, not re-embedded
+    items: int = 0  # items the catalogue lists (the selected split), rejected rows not counted
+    embedded: int = 0  # images read, decoded and embedded and written by this run (added + changed)
+    added: int = 0  # new items written
+    changed: int = 0  # items whose image changed: embedded again, the old row removed
+    restamped: int = 0  # same image, new stamp or metadata: stored embedding written again
+    removed: int = 0  # items gone from the catalogue (or changed to an image that is now rejected)
+    read_to_compare: int = 0  # images read (not decoded) because their listing stamp changed
+    skipped_indexed: int = 0  # indexed and unchanged (or restamped): not decoded, not re-embedded
     skipped_rejected: int = 0  # listed in the rejects file by an earlier run: not re-tried
     rejected: int = 0  # items listed in the catalogue's rejects file after this run
     reject_reasons: dict = field(default_factory=dict)
     rejects_uri: str = ""
     ignored_files: int = 0  # non-image files under an image-folder catalogue
     shards_added: list[str] = field(default_factory=list)
+    compacted: list[str] = field(default_factory=list)  # shards rewritten without their removed rows
     total: int = 0  # items in the index after this run
+    promoted: str = ""  # the version this run made live ('' when none)
     seconds: float = 0.0
     error: str = ""  # watch: why this catalogue failed ('' when it did not)
 
@@ -94,10 +126,18 @@ class EmbedReport:
         """One line for the job's output."""
         if self.error:
             return f"{self.catalogue}: FAILED: {self.error}"
-        return (f"{self.catalogue}: embedded {self.embedded}, already indexed {self.skipped_indexed}, "
-                f"rejected {self.rejected} {self.reject_reasons or ''}, "
-                f"{len(self.shards_added)} shard(s) added, "
-                f"index total {self.total} ({self.seconds:.1f} s)")
+        version = f" [version {self.version}]" if self.version else ""
+        return (f"{self.catalogue}: embedded {self.embedded}, already indexed {self.skipped_indexed}; "
+                f"added {self.added}, changed {self.changed}, removed {self.removed}, "
+                f"restamped {self.restamped}; rejected {self.rejected} {self.reject_reasons or ''}, "
+                f"{len(self.shards_added)} shard(s) added, {len(self.compacted)} compacted, "
+                f"index total {self.total}{version} ({self.seconds:.1f} s)")
+
+    def record(self) -> dict:
+        """What the manifest keeps of this run."""
+        return {"at": now(), "action": "reconcile", "catalogue": self.catalogue, "added": self.added,
+                "changed": self.changed, "removed": self.removed, "restamped": self.restamped,
+                "rejected": self.rejected, "shards_added": self.shards_added}
 
 
 def resolve_checkpoint(cfg: Config, checkpoint: str | None = None) -> str:
@@ -112,42 +152,128 @@ def rejects_uri(index_uri: str, catalogue: str) -> str:
 
 
 def embed_catalogue(cfg: Config, catalogue: str, *, index_uri: str | None = None,
-                    checkpoint: str | None = None, split: str | None = None) -> EmbedReport:
-    """Embed the catalogue's items that are not indexed yet and add them to the index.
+                    checkpoint: str | None = None, split: str | None = None,
+                    settle: bool = True) -> EmbedReport:
+    """Reconcile one catalogue into the index: embed its new and changed items, remove what it lost.
 
     ``index_uri``, ``checkpoint`` and ``split`` default to index.uri, embed.checkpoint (see
-    :func:`resolve_checkpoint`) and embed.split.
+    :func:`resolve_checkpoint`) and embed.split. ``settle``: make the written version live when it
+    may go live (see the module doc); embed_catalogues settles once, after every catalogue.
     """
     start = time.monotonic()
     cfg = absolute_paths(cfg)
     storage.configure(cfg.storage)
     run = _prepare_run(cfg, storage.absolute(catalogue), storage.absolute(index_uri or cfg.index.uri),
                        resolve_checkpoint(cfg, checkpoint))
-    todo = _todo(run, split or cfg.embed.split)
-    if len(todo):
-        _check_model(run)
-        _embed_todo(run, todo)
+    _reconcile(run, split or cfg.embed.split)
     _finish(run)
+    if settle:
+        run.report.promoted = settle_version(cfg, run.report.location, run.report.version)
     run.report.seconds = time.monotonic() - start
     return run.report
 
 
+def embed_catalogues(cfg: Config, catalogues: list[str], *, checkpoint: str | None = None,
+                     keep_going: bool = False) -> list[EmbedReport]:
+    """Reconcile each catalogue; with a model that is not the live one, every live catalogue too,
+    then make the new version live when it holds them all. ``keep_going``: a catalogue that fails
+    (bad layout, incompatible index) is reported with its error and the others still run."""
+    cfg = absolute_paths(cfg)
+    storage.configure(cfg.storage)
+    location = storage.absolute(cfg.index.uri)
+    ckpt = resolve_checkpoint(cfg, checkpoint)
+    todo = [storage.absolute(c) for c in catalogues]
+    todo += [c for c in _live_catalogues_for(location, ckpt) if c not in todo]
+    reports = []
+    for catalogue in todo:
+        try:
+            reports.append(embed_catalogue(cfg, catalogue, checkpoint=ckpt, settle=False))
+        except UserError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError, ...
+            if not keep_going:
+                raise
+            log.error("catalogue %s failed: %s", catalogue, exc)
+            reports.append(EmbedReport(catalogue=catalogue, index_uri=location, location=location,
+                                       error=str(exc)))
+    done = [r for r in reports if not r.error]
+    if done and not any(r.error for r in reports):
+        done[-1].promoted = settle_version(cfg, location, done[-1].version)
+    return reports
+
+
 def watch(cfg: Config, prefix: str) -> list[EmbedReport]:
-    """Embed every catalogue (immediate sub-folder) under ``prefix`` that is not fully indexed yet.
+    """Reconcile every catalogue under ``prefix``: its immediate sub-folders and its table files.
 
     A catalogue that fails (bad layout, incompatible index) is reported with its error and the
     others still run.
     """
     cfg = absolute_paths(cfg)
     storage.configure(cfg.storage)
-    reports = []
-    for catalogue in list_catalogues(prefix):
-        try:
-            reports.append(embed_catalogue(cfg, catalogue))
-        except UserError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError, ...
-            log.error("catalogue %s failed: %s", catalogue, exc)
-            reports.append(EmbedReport(catalogue=catalogue, index_uri=cfg.index.uri, error=str(exc)))
-    return reports
+    return embed_catalogues(cfg, list_catalogues(prefix), keep_going=True)
+
+
+def settle_version(cfg: Config, location: str, version: str) -> str:
+    """Make ``version`` live if it may go live now; returns it when it did ('' otherwise)."""
+    if not version:
+        return ""
+    alias = read_alias(location)
+    if alias is not None and alias.live == version:
+        return ""
+    uri = version_uri(location, version)
+    if not has_manifest(uri):
+        return ""
+    if alias is not None and cfg.index.promote != "auto":
+        log.warning("version %s of %s is built; make it live with "
+                    "`python jobs/index.py promote --version %s`",
+                    version, location, version)
+        return ""
+    missing = missing_catalogues(location, version)
+    if missing:
+        log.warning("version %s is not live yet: it lacks %d catalogue(s) of the live version, e.g. %s",
+                    version, len(missing), missing[:3])
+        return ""
+    promote(location, version, keep=cfg.index.keep_versions)
+    return version
+
+
+def remove_catalogue(cfg: Config, catalogue: str) -> list[dict]:
+    """Remove every item of ``catalogue`` from every version at index.uri (one commit per version,
+    then compaction); returns one record per version that held it."""
+    cfg = absolute_paths(cfg)
+    storage.configure(cfg.storage)
+    location = storage.absolute(cfg.index.uri)
+    catalogue = storage.absolute(catalogue)
+    uris = [location] if is_legacy(location) else [v.uri for v in list_versions(location)]
+    records = []
+    for uri in uris:
+        manifest = read_manifest(uri)
+        live = live_items(uri, manifest)
+        ids = live.filter(pc.equal(live[CATALOGUE], catalogue))[INDEX_ID].to_numpy()
+        if not len(ids) and catalogue not in manifest.catalogues:
+            continue
+        record = {"at": now(), "action": "remove_catalogue", "catalogue": catalogue, "removed": int(len(ids))}
+
+        def update(m: Manifest, record: dict = record) -> None:
+            m.catalogues.pop(catalogue, None)
+            m.record_run(record)
+
+        done = commit_changes(uri, remove=ids, source=catalogue, update=update)
+        compacted = compact(uri, cfg.index.compact_fraction)
+        records.append(record | {"index": uri, "total": done.total, "compacted": compacted.dropped})
+    if not records:
+        live = live_manifest(location)
+        raise CatalogueError(f"no version at {location} holds catalogue {catalogue}; the live version's "
+                             f"catalogues are {sorted(live.catalogues) if live else []}")
+    return records
+
+
+def _live_catalogues_for(location: str, checkpoint: str) -> list[str]:
+    """The live version's catalogues when ``checkpoint`` is another model (a new version to build)."""
+    if is_legacy(location) or read_alias(location) is None:
+        return []
+    live = live_manifest(location)
+    if live is None or live.model_id == checkpoint_id(follow_pointer(checkpoint)):
+        return []
+    return sorted(live.catalogues)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -165,20 +291,23 @@ class _Run:
     view: ViewSpec
     dim: int
     report: EmbedReport
+    plan: Plan | None = None
 
 
-def _prepare_run(cfg: Config, catalogue: str, index_uri: str, checkpoint: str) -> _Run:
-    """The eval view and model id from the checkpoint (its own config), an empty report."""
+def _prepare_run(cfg: Config, catalogue: str, location: str, checkpoint: str) -> _Run:
+    """The eval view and model id from the checkpoint (its own config), the index to write, a report."""
     checkpoint = follow_pointer(checkpoint)  # best/ -> its version now: the id and all actors read one model
     state = read_checkpoint(checkpoint)
     model_cfg = state.config
     view = eval_view_spec(model_cfg, min_size=cfg.data.min_image_size)  # the model's view, the job's limit
     view = dataclasses.replace(view, on_worker=cfg.data.decode_on == "worker")  # and the job's decoder
-    report = EmbedReport(catalogue=catalogue, index_uri=index_uri, checkpoint=checkpoint,
-                         model_id=checkpoint_id(checkpoint, state),
-                         rejects_uri=rejects_uri(index_uri, catalogue))
-    return _Run(cfg, catalogue, index_uri, checkpoint, report.model_id, view, model_cfg.model.head.embed_dim,
-                report)
+    model_id = checkpoint_id(checkpoint, state)
+    version = "" if is_legacy(location) else version_name(model_id)
+    index_uri = version_uri(location, version) if version else location
+    report = EmbedReport(catalogue=catalogue, index_uri=index_uri, location=location, version=version,
+                         checkpoint=checkpoint, model_id=model_id,
+                         rejects_uri=rejects_uri(location, catalogue))
+    return _Run(cfg, catalogue, index_uri, checkpoint, model_id, view, model_cfg.model.head.embed_dim, report)
 
 
 def _check_model(run: _Run) -> None:
@@ -188,21 +317,57 @@ def _check_model(run: _Run) -> None:
     load_model(run.checkpoint, backbone_weights=run.cfg.embed.backbone_weights or None)
 
 
+def _reconcile(run: _Run, split: str) -> None:
+    """Plan against the committed index, embed what is new or changed, then the final commit."""
+    todo = _todo(run, split)
+    if len(todo):
+        _check_model(run)
+        _embed_todo(run, todo)
+    if has_manifest(run.index_uri):
+        _final_commit(run)
+
+
 def _todo(run: _Run, split: str) -> pa.Table:
-    """The catalogue's references minus what is indexed (and what earlier runs rejected)."""
-    refs, run.report.ignored_files = catalogue_refs(run.catalogue, split)
+    """What to read and embed: the plan's new and changed items, less what earlier runs rejected."""
+    listing = list_catalogue(run.catalogue, split)
+    refs = listing.refs
     check_unique(refs, run.catalogue)
     _list_prepare_rejects(run, split)
-    run.report.items = len(refs)
-    if has_manifest(run.index_uri):
-        manifest = read_manifest(run.index_uri)
+    run.report.items, run.report.ignored_files = len(refs), listing.ignored
+    manifest = read_manifest(run.index_uri) if has_manifest(run.index_uri) else None
+    if manifest is not None:
         check_compatible(manifest, manifest.dim, run.model_id, run.index_uri)  # refuse another model early
-        refs, run.report.skipped_indexed = without(refs, indexed_item_ids(run.index_uri, manifest))
+    live = live_items(run.index_uri, manifest)
+    run.plan = plan(refs, run.catalogue, _in_split(live, run.catalogue, split))
+    _add_rejects(run, listing.rejects + run.plan.rejects)
+    run.report.read_to_compare = run.plan.hashed
+    run.report.skipped_indexed = run.plan.unchanged + run.plan.restamp_count
+    todo = run.plan.embed
     if not run.cfg.embed.retry_rejects:
         listed = pa.array([r["item_id"] for r in read_rejects(run.report.rejects_uri)], pa.string())
-        refs, run.report.skipped_rejected = without(refs, listed)
-    log.info("catalogue %s: %d item(s), %d to embed", run.catalogue, run.report.items, len(refs))
-    return refs
+        fresh = pc.invert(pc.is_in(todo[ITEM_ID], value_set=pa.array(list(run.plan.replaced), pa.string())))
+        retried = todo.filter(pc.invert(fresh))  # changed items are always read again
+        kept, run.report.skipped_rejected = without(todo.filter(fresh), listed)
+        todo = pa.concat_tables([kept, retried])
+    log.info("catalogue %s: %d item(s), %d to embed", run.catalogue, run.report.items, len(todo))
+    return todo
+
+
+def _in_split(live: pa.Table, catalogue: str, split: str) -> pa.Table:
+    """The live rows a run over ``split`` of a prepared catalogue answers for: another split's items
+    are not removed because this run did not list them."""
+    if split == "all" or not is_prepared(catalogue):
+        return live
+    roles = {"train": [schema.ROLE_TRAIN], "test": [schema.QUERY, schema.GALLERY]}[split]
+    mine = pc.equal(live[CATALOGUE], catalogue).fill_null(False)
+    other_split = pc.and_(mine, pc.invert(pc.is_in(live[ROLE], value_set=pa.array(roles, pa.string()))))
+    return live.filter(pc.invert(other_split.fill_null(False)))
+
+
+def _add_rejects(run: _Run, rows: list[dict]) -> None:
+    """List the listing's and the plan's rejects in the catalogue's rejects file (first row kept)."""
+    if rows:
+        write_rejects(run.report.rejects_uri, [*read_rejects(run.report.rejects_uri), *rows])
 
 
 def _list_prepare_rejects(run: _Run, split: str) -> None:
@@ -256,8 +421,7 @@ def _create_index(run: _Run, todo: pa.Table, reject_log, bar: console.Progress) 
     if table is None or len(table) == 0:
         raise CatalogueError(f"no image of the training sample of {run.catalogue} could be decoded; "
                              f"see {run.report.rejects_uri}")
-    create_index(run.index_uri, run.cfg.index, embedding_matrix(table), expected_items=expected,
-                 model_id=run.model_id)
+    _new_index(run, embedding_matrix(table), expected)
     _commit_stream(run, iter([table]))
     return without(todo, sample[ITEM_ID].combine_chunks())[0]
 
@@ -315,15 +479,58 @@ def _commit_stream(run: _Run, batches) -> None:
 
 
 def _commit(run: _Run, table: pa.Table) -> None:
-    """One atomic write: shard files, then the manifest (creating a flat index on first use)."""
+    """One atomic write: shard files, removal of the changed items' old rows, then the manifest
+    (creating a flat index on first use)."""
     if not has_manifest(run.index_uri):
-        create_index(run.index_uri, run.cfg.index, embedding_matrix(table),
-                     expected_items=run.cfg.embed.expected_items or len(table), model_id=run.model_id)
-    added = add_items(run.index_uri, table, model_id=run.model_id, source=run.catalogue)
-    run.report.embedded += added.added
-    run.report.shards_added += added.shards
-    run.report.total = added.total
-    log.info("committed %d item(s) as %s (index total %d)", added.added, added.shards, added.total)
+        _new_index(run, embedding_matrix(table), run.cfg.embed.expected_items or len(table))
+    replaced = run.plan.replaced if run.plan is not None else {}
+    old = [replaced.pop(i) for i in table[ITEM_ID].to_pylist() if i in replaced]
+    done = commit_changes(run.index_uri, table, remove=np.array(old, dtype=np.int64), source=run.catalogue)
+    run.report.embedded += done.added
+    run.report.changed += len(old)
+    run.report.added += done.added - len(old)
+    run.report.shards_added += done.shards
+    run.report.total = done.total
+    log.info("committed %d item(s) as %s (%d replacing changed ones; index total %d)", done.added,
+             done.shards, len(old), done.total)
+    fault_point("embed.block")
+
+
+def _new_index(run: _Run, train_vectors: np.ndarray, expected: int) -> None:
+    """Create the index this run writes; the first version of a location is live from its creation
+    (there is no other to keep serving), so readers see it grow as it commits."""
+    create_index(run.index_uri, run.cfg.index, train_vectors, expected_items=expected, model_id=run.model_id,
+                 checkpoint=run.checkpoint)
+    if run.report.version and read_alias(run.report.location) is None:
+        promote(run.report.location, run.report.version)
+        run.report.promoted = run.report.version
+
+
+def _final_commit(run: _Run) -> None:
+    """Restamped rows, removals (items gone, changed items whose new image was rejected) and the run's
+    record in one commit; then compaction when removed rows pass index.compact_fraction of a shard."""
+    p = run.plan
+    manifest = read_manifest(run.index_uri)
+    restamped = restamped_rows(run.index_uri, manifest, p) if p is not None else None
+    leftover = list(p.replaced.values()) if p is not None else []  # restamped, or changed but now rejected
+    gone = p.removed if p is not None else np.zeros(0, np.int64)
+    remove = np.concatenate([gone, np.array(leftover, dtype=np.int64)])
+    run.report.restamped = 0 if restamped is None else len(restamped)
+    run.report.removed = len(gone) + len(leftover) - run.report.restamped
+    record = run.report.record()
+    items = (p.indexed if p is not None else 0) + run.report.added - run.report.removed
+
+    def update(m: Manifest) -> None:
+        m.catalogues[run.catalogue] = {"name": catalogue_name(run.catalogue), "items": items,
+                                       "updated": now()}
+        m.checkpoint = m.checkpoint or run.checkpoint
+        m.record_run(record)
+
+    done = commit_changes(run.index_uri, restamped, remove=remove, source=run.catalogue, update=update)
+    run.report.shards_added += done.shards
+    compacted = compact(run.index_uri, run.cfg.index.compact_fraction)
+    run.report.compacted = compacted.dropped
+    run.report.total = compacted.total or done.total
 
 
 def _reject_log(run: _Run):
@@ -343,6 +550,7 @@ def _finish(run: _Run) -> None:
     run.report.reject_reasons = reject_counts(rows)
     if has_manifest(run.index_uri):
         run.report.total = read_manifest(run.index_uri).total
+
 
 
 def report_dict(report: EmbedReport) -> dict:

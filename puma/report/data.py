@@ -31,7 +31,8 @@ from puma.checkpoint import BEST_DIR, checkpoint_id, has_checkpoint, read_meta, 
 from puma.config import Config
 from puma.errors import UserError
 from puma.eval.index_eval import run_evaluation
-from puma.index.manifest import has_manifest, read_manifest
+from puma.index.manifest import read_manifest
+from puma.index.versions import live_manifest, resolve
 from puma.inference.job import resolve_checkpoint as default_checkpoint
 from puma.train.recovery import folder_name, newest_complete
 
@@ -131,7 +132,7 @@ def evaluate_run(cfg: Config, index: str, checkpoint: str, out: str) -> Evaluati
 
     model_id = checkpoint_id(checkpoint)
     embedded = 0
-    if has_manifest(index):
+    if live_manifest(index) is not None:
         check_index_model(index, model_id, checkpoint)
     else:
         console.say(f"embedding the test split of {cfg.data.uri} into {index}")
@@ -139,7 +140,7 @@ def evaluate_run(cfg: Config, index: str, checkpoint: str, out: str) -> Evaluati
         console.say(f"embedded {report.embedded} test images ({report.rejected} rejected, "
                     f"{report.total} in the index)")
         embedded = report.embedded
-    items = read_manifest(index).total
+    items = read_manifest(resolve(index)).total
     console.say(f"evaluating {items} items through the index at {index} (index.nprobe={cfg.index.nprobe})")
     metrics, record = run_evaluation(index, cfg.index, cfg.eval.ks, storage.join(out, "evaluation.json"),
                                      cfg.eval.query_chunk)
@@ -148,7 +149,7 @@ def evaluate_run(cfg: Config, index: str, checkpoint: str, out: str) -> Evaluati
 
 def check_index_model(index: str, model_id: str, checkpoint: str) -> None:
     """Refuse an index of another model: its numbers would not be this checkpoint's."""
-    found = read_manifest(index).model_id
+    found = read_manifest(resolve(index)).model_id
     if found and found != model_id:
         raise ReportInputError(f"index {index} holds embeddings of model {found}, not of checkpoint "
                                f"{checkpoint} ({model_id}); pass --index a new folder (the report embeds "

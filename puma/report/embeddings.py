@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from puma import console, storage
+from puma import console
 from puma.config import Config
 from puma.data.images import ImageRejected, eval_view_spec, make_view
 from puma.eval.metrics import query_gallery_masks
-from puma.index.manifest import SHARDS_DIR
-from puma.index.table import DATASET, IMAGE_ROW, IMAGE_URI, ITEM_ID, LABEL, ROLE, embedding_matrix, read_table
+from puma.index.build import live_table
+from puma.index.table import DATASET, IMAGE_ROW, IMAGE_URI, ITEM_ID, LABEL, ROLE, embedding_matrix
+from puma.index.versions import resolve
 from puma.inference.grid import GridItem
 
 MIN_MAP_POINTS = 5  # fewer points make no t-SNE map
@@ -54,8 +55,8 @@ class IndexItems:
 
 
 def index_items(index: str) -> IndexItems:
-    """The embeddings tables of every shard of the index as one IndexItems."""
-    table = read_table(storage.join(index, SHARDS_DIR))
+    """The live rows of every shard of the index (its live version) as one IndexItems."""
+    table = live_table(resolve(index))
     vectors = embedding_matrix(table)  # (N, E)
     vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # (N, E)
 

@@ -1,12 +1,19 @@
 """The Ray Serve application of the search service: three deployments and the app builder.
 
     HTTP --> SearchIngress   FastAPI: bearer token, body limits, request parsing
-                             (puma.serve.requests), query images decoded into the model's eval view
-               |--> QueryModel      the checkpoint's model; @serve.batch: images that arrive together
-               |                    share one forward; on a GPU when the cluster has one (serve.gpu)
+                             (puma.serve.requests), query images decoded into the model's eval view;
+                             pins every request to one version (model + index) of the location
+               |--> QueryModel      the version's checkpoint's model; @serve.batch: images that
+               |                    arrive together share one forward; on a GPU when there is one
                '--> IndexSearcher   the shards (puma.serve.live_index; faiss-gpu when on a GPU),
                                     dataset / catalogue filters, hits; watches the manifest
                                     (serve.watch_interval_s) and loads new shards without a restart
+
+A new model goes live without a restart: when the location's alias names a new version, the
+ingress's watcher asks the model and index deployments to load it beside the old one and only then
+pins new requests to it, so a query is always embedded and searched by one model; requests already
+running finish on the old version, which the replicas drop after serve.version_grace_s. Every
+response names the version and model id that answered.
 
 QueryModel and IndexSearcher autoscale between serve.*_min_replicas and serve.*_max_replicas on
 ongoing requests (serve.target_ongoing_requests). Routes: ``GET /`` the page, ``POST /search``,
@@ -26,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
@@ -36,10 +44,12 @@ from ray.serve import Application
 
 from puma import storage
 from puma.config import Config, IndexConfig
-from puma.data.images import ViewSpec
+from puma.data.images import ViewSpec, eval_view_spec
+from puma.index.manifest import read_manifest
+from puma.index.versions import read_alias, version_uri
 from puma.inference.embedder import Embedder, use_storage
 from puma.serve.errors import RequestError, as_request_error
-from puma.serve.live_index import LiveIndex
+from puma.serve.live_index import ServedIndexes
 from puma.serve.plan import ServicePlan, plan_service
 from puma.serve.requests import Limits, SearchRequest, image_view, media_type, parse_request
 
@@ -80,38 +90,72 @@ def _params(request: Request) -> dict[str, list[str]]:
 
 @serve.deployment
 class QueryModel:
-    """The checkpoint's model: eval views (3, S, S) -> embeddings (E,), batched across requests."""
+    """Checkpoints' models (the live version's, and the one before it while a switch settles):
+    eval views (3, S, S) -> embeddings (E,), batched across requests."""
+
+    MODELS_KEPT = 2
 
     def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool, threads: int,
-                 max_batch_size: int, batch_wait_timeout_s: float) -> None:
-        self.embedder = Embedder(checkpoint, backbone_weights, storage_cfg, use_gpu, threads)
+                 max_batch_size: int, batch_wait_timeout_s: float, min_image_size: int = 0) -> None:
+        self.options = (backbone_weights, storage_cfg, use_gpu, threads)
+        self.min_image_size = min_image_size
+        self.embedders: dict[str, Embedder] = {}
+        self._lock = threading.Lock()
+        self.default = checkpoint
+        self.load(checkpoint)
         self.embed.set_max_batch_size(max_batch_size)
         self.embed.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.batches, self.images, self.largest_batch = 0, 0, 0
 
+    def load(self, checkpoint: str) -> Embedder:
+        """The checkpoint's model, loaded once (the oldest of more than MODELS_KEPT dropped)."""
+        with self._lock:
+            if checkpoint not in self.embedders:
+                self.embedders[checkpoint] = Embedder(checkpoint, *self.options)
+                while len(self.embedders) > self.MODELS_KEPT:
+                    self.embedders.pop(next(iter(self.embedders)))
+            return self.embedders[checkpoint]
+
+    async def prepare(self, checkpoint: str) -> ViewSpec:
+        """Load ``checkpoint`` (off the event loop) and return its eval view for query images."""
+        from puma.checkpoint import read_checkpoint
+
+        await asyncio.get_running_loop().run_in_executor(None, self.load, checkpoint)
+        state = await asyncio.get_running_loop().run_in_executor(None, read_checkpoint, checkpoint)
+        return eval_view_spec(state.config, min_size=self.min_image_size)
+
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def embed(self, views: list[np.ndarray]) -> list[np.ndarray]:
-        """One forward for every view that arrived together: B x (3, S, S) -> B x (E,)."""
-        batch = np.stack(views)  # (B, 3, S, S)
-        out = await asyncio.get_running_loop().run_in_executor(None, self.embedder.forward, batch)  # (B, E)
+    async def embed(self, views: list[np.ndarray], checkpoints: list[str]) -> list[np.ndarray]:
+        """One forward per model for every view that arrived together: B x (3, S, S) -> B x (E,)."""
+        out: list = [None] * len(views)
+        loop = asyncio.get_running_loop()
+        for checkpoint in dict.fromkeys(c or self.default for c in checkpoints):
+            rows = [i for i, c in enumerate(checkpoints) if (c or self.default) == checkpoint]
+            embedder = await loop.run_in_executor(None, self.load, checkpoint)
+            batch = np.stack([views[i] for i in rows])  # (B, 3, S, S)
+            emb = await loop.run_in_executor(None, embedder.forward, batch)  # (B, E)
+            for i, e in zip(rows, emb, strict=True):
+                out[i] = e
         self.batches, self.images = self.batches + 1, self.images + len(views)
         self.largest_batch = max(self.largest_batch, len(views))
-        return list(out)
+        return out
 
     def stats(self) -> dict:
-        """Batches run, images embedded, the largest batch, the device (this replica)."""
+        """Batches run, images embedded, the largest batch, the device, the models loaded (this replica)."""
+        device = str(next(iter(self.embedders.values())).device) if self.embedders else ""
         return {"batches": self.batches, "images": self.images, "largest_batch": self.largest_batch,
-                "device": str(self.embedder.device)}
+                "device": device, "checkpoints": list(self.embedders)}
 
 
 @serve.deployment
 class IndexSearcher:
-    """The index's shards in memory, searched with filters; new shards loaded as they are committed."""
+    """The index's shards in memory, searched with filters; new shards and new versions loaded as
+    they are committed and promoted."""
 
-    def __init__(self, index_cfg: IndexConfig, model_id: str, dim: int, storage_cfg,
-                 watch_interval_s: float) -> None:
+    def __init__(self, index_cfg: IndexConfig, dim: int, storage_cfg, watch_interval_s: float,
+                 grace_s: float = 30.0) -> None:
         use_storage(storage_cfg)
-        self.live = LiveIndex(index_cfg, model_id, dim)
+        self.served = ServedIndexes(index_cfg, dim, grace_s)
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), name="watch", daemon=True)
@@ -120,30 +164,51 @@ class IndexSearcher:
     def _watch(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                self.live.refresh()
+                self.served.refresh()
             except Exception:  # noqa: BLE001 - a storage hiccup must not stop the watch; the next tick retries
-                log.exception("reading the manifest of %s failed; serving what is loaded", self.live.cfg.uri)
+                log.exception("reading the index at %s failed; serving what is loaded", self.served.location)
 
-    def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple) -> list[dict]:
-        return self.live.search_vector(vector, k, datasets, catalogues)
+    def prepare(self, version: str) -> int:
+        """Load ``version`` now (before requests are pinned to it); returns its items."""
+        return self.served.get(version).state.items
+
+    def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
+                      version: str | None = None) -> list[dict]:
+        with self.served.use(version) as live:
+            return live.search_vector(vector, k, datasets, catalogues)
 
     def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
-                    include_self: bool) -> list[dict]:
-        return self.live.search_item(item_id, k, datasets, catalogues, include_self)
+                    include_self: bool, version: str | None = None) -> list[dict]:
+        with self.served.use(version) as live:
+            return live.search_item(item_id, k, datasets, catalogues, include_self)
 
-    def thumbnail(self, item_id: str) -> bytes:
-        return self.live.thumbnail(item_id)
+    def thumbnail(self, item_id: str, version: str | None = None) -> bytes:
+        with self.served.use(version) as live:
+            return live.thumbnail(item_id)
 
     def stats(self) -> dict:
         """The served index's stats, and which replica answered since when (a restart changes both)."""
         replica = serve.get_replica_context().replica_id.unique_id
-        return {**self.live.stats(), "replica": replica, "replica_started_at": self.started_at}
+        return {**self.served.get().stats(), "live_version": self.served.live,
+                "loaded_versions": self.served.loaded, "replica": replica,
+                "replica_started_at": self.started_at}
 
     def health(self) -> dict:
-        return {"items": self.live.state.items, "refused_update": self.live.refused}
+        live = self.served.get()
+        return {"items": live.state.items, "refused_update": live.refused, "version": self.served.live}
 
     def __del__(self) -> None:
         self._stop.set()
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """What one request is answered by: a version of the location, its model id and checkpoint."""
+
+    version: str
+    model_id: str
+    checkpoint: str
+    view: ViewSpec | None
 
 
 @serve.deployment
@@ -151,12 +216,37 @@ class IndexSearcher:
 class SearchIngress:
     """HTTP: the page, search, thumbnails, stats and health; refusals as one-line JSON errors."""
 
-    def __init__(self, index, model, view: ViewSpec | None, limits: Limits, token_env: str,
-                 model_id: str) -> None:
-        self.index, self.model, self.view, self.limits = index, model, view, limits
+    def __init__(self, index, model, pinned: Pinned, limits: Limits, token_env: str, location: str = "",
+                 storage_cfg=None, watch_interval_s: float = 10.0) -> None:
+        self.index, self.model, self.limits = index, model, limits
         self.token_env, self.token = token_env, os.environ.get(token_env, "")
-        self.model_id = model_id
+        self.pinned, self.location = pinned, location
         self.page = resources.files("puma.serve").joinpath("page.html").read_text()
+        self._stop = threading.Event()
+        if pinned.version:  # a location with versions: follow its alias
+            use_storage(storage_cfg)
+            threading.Thread(target=self._follow, args=(watch_interval_s,), name="alias", daemon=True).start()
+
+    def _follow(self, interval: float) -> None:
+        """Pin new requests to the alias's version once the model and index deployments have loaded it."""
+        while not self._stop.wait(interval):
+            try:
+                alias = read_alias(self.location)
+                if alias is not None and alias.live != self.pinned.version:
+                    self.pinned = self._prepare(alias.live)
+                    log.info("answering with version %s (model %s)", self.pinned.version,
+                             self.pinned.model_id)
+            except Exception:  # noqa: BLE001 - keep answering with the pinned version; retry next tick
+                log.exception("following the alias of %s failed; still answering with version %s",
+                              self.location, self.pinned.version)
+
+    def _prepare(self, version: str) -> Pinned:
+        manifest = read_manifest(version_uri(self.location, version))
+        view = None
+        if self.model is not None:
+            view = self.model.prepare.remote(manifest.checkpoint).result()
+        self.index.prepare.remote(version).result()
+        return Pinned(version, manifest.model_id, manifest.checkpoint, view)
 
     @api.get("/", response_class=HTMLResponse)
     async def page_route(self) -> HTMLResponse:
@@ -196,11 +286,13 @@ class SearchIngress:
     async def _health(self) -> dict:
         health = await self.index.health.remote()
         return {"status": "ok", "items": health["items"], "auth": bool(self.token),
-                "image_queries": self.model is not None}
+                "image_queries": self.model is not None, "version": self.pinned.version,
+                "model_id": self.pinned.model_id}
 
     async def _stats(self, request: Request) -> dict:
         self._authorise(request)
         stats = {"index": await self.index.stats.remote(), "auth": bool(self.token),
+                 "version": self.pinned.version, "model_id": self.pinned.model_id,
                  "image_queries": self.model is not None, "limits": dataclasses.asdict(self.limits)}
         if self.model is not None:
             stats["model"] = await self.model.stats.remote()
@@ -212,29 +304,31 @@ class SearchIngress:
         content_type = request.headers.get("content-type", "")
         body = await read_body(request, body_limit(content_type, self.limits.max_upload_bytes))
         query = parse_request(content_type, body, _params(request), self.limits)
-        hits = await self._hits(query)
-        return {"query": query.describe(), "hits": hits, "model_id": self.model_id,
-                "took_ms": round(1000 * (time.perf_counter() - start), 2)}
+        pinned = self.pinned  # one version answers the whole request
+        hits = await self._hits(query, pinned)
+        return {"query": query.describe(), "hits": hits, "model_id": pinned.model_id,
+                "version": pinned.version, "took_ms": round(1000 * (time.perf_counter() - start), 2)}
 
-    async def _hits(self, query: SearchRequest) -> list[dict]:
+    async def _hits(self, query: SearchRequest, pinned: Pinned) -> list[dict]:
         if query.kind == "item_id":
             return await self.index.search_item.remote(query.item_id, query.k, query.datasets,
-                                                       query.catalogues, query.include_self)
+                                                       query.catalogues, query.include_self, pinned.version)
         vector = query.vector
         if query.kind == "image":
             if self.model is None:
                 raise RequestError(400, "image queries are off on this service (serve.image_queries=false); "
                                         "send an item_id or a vector")
-            view = await asyncio.to_thread(image_view, query.image, self.view, self.limits.max_image_pixels)
-            vector = await self.model.embed.remote(view)
-        return await self.index.search_vector.remote(vector, query.k, query.datasets, query.catalogues)
+            view = await asyncio.to_thread(image_view, query.image, pinned.view, self.limits.max_image_pixels)
+            vector = await self.model.embed.remote(view, pinned.checkpoint)
+        return await self.index.search_vector.remote(vector, query.k, query.datasets, query.catalogues,
+                                                     pinned.version)
 
     async def _image(self, request: Request) -> Response:
         self._authorise(request)
         item_id = request.query_params.get("item_id", "")
         if not item_id:
             raise RequestError(400, "give the item: GET /image?item_id=<an indexed item id>")
-        data = await self.index.thumbnail.remote(item_id)
+        data = await self.index.thumbnail.remote(item_id, self.pinned.version)
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
 
     def _authorise(self, request: Request) -> None:
@@ -257,14 +351,16 @@ def build_app(plan: ServicePlan) -> Application:
     options = deployment_options(cfg, use_gpu)
     index_cfg = dataclasses.replace(cfg.index, use_gpu=cfg.index.use_gpu and use_gpu)
     index = IndexSearcher.options(**options["index"]).bind(
-        index_cfg, plan.model_id, plan.manifest.dim, storage.current_config(), s.watch_interval_s)
+        index_cfg, plan.manifest.dim, storage.current_config(), s.watch_interval_s, s.version_grace_s)
     model = None
     if s.image_queries:
         model = QueryModel.options(**options["model"]).bind(
             plan.checkpoint, cfg.embed.backbone_weights, storage.current_config(), use_gpu,
-            max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s)
-    return SearchIngress.options(**options["ingress"]).bind(index, model, plan.view, Limits.from_config(s),
-                                                             s.token_env, plan.model_id)
+            max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s, cfg.data.min_image_size)
+    pinned = Pinned(plan.version, plan.model_id, plan.checkpoint, plan.view)
+    return SearchIngress.options(**options["ingress"]).bind(
+        index, model, pinned, Limits.from_config(s), s.token_env, cfg.index.uri, storage.current_config(),
+        s.watch_interval_s)
 
 
 def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:

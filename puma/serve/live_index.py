@@ -1,22 +1,27 @@
 """The index as the service sees it: searched by vector or item id, filtered by dataset or catalogue,
-its hits described from the stored columns, and kept current as embedding jobs commit shards.
+its hits described from the stored columns, kept current as embedding jobs commit, and following
+the location's alias from one version (model) to the next.
 
-No Ray here: the index deployment (puma.serve.app) holds one LiveIndex per replica and calls
-``refresh`` on a timer. A refresh reads the manifest (one small file); when it gained shards, only
-those are loaded (``ShardedIndex.refreshed``) and the new state replaces the old in one assignment,
-so a request in flight finishes on the state it started with. A manifest of another model id or
-dimension is refused: the replica keeps serving what it has and says why in ``stats``.
+No Ray here: the index deployment (puma.serve.app) holds one ServedIndexes per replica and calls
+``refresh`` on a timer. ``ServedIndexes`` reads the alias (puma.index.versions): a new live
+version is loaded beside the old one, which is dropped once no request holds it and
+serve.version_grace_s has passed. Each version is a ``LiveIndex``: a refresh reads its manifest
+(one small file); when it changed, only the shards that are new or whose removals changed are
+loaded (``ShardedIndex.refreshed``) and the new state replaces the old in one assignment, so a
+request in flight finishes on the state it started with.
 
-Hits carry item_id, score, dataset, label, catalogue, image_uri and image_row (the stored columns;
-null where the index was built without them), in rank order.
+Hits carry item_id, score, dataset, label, class_name, catalogue, image_uri, image_row and the
+item's metadata (a catalogue table's other columns), in rank order.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,16 +31,17 @@ from PIL import Image
 
 from puma.config import IndexConfig
 from puma.data.images import ImageRejected, decode_image
-from puma.index.manifest import Manifest, read_manifest
+from puma.index.manifest import Manifest, has_manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import ShardedIndex, drop_self
-from puma.index.table import CATALOGUE, DATASET, IMAGE_ROW, IMAGE_URI, ITEM_ID, LABEL
+from puma.index.table import CATALOGUE, CLASS_NAME, DATASET, IMAGE_ROW, IMAGE_URI, ITEM_ID, LABEL, METADATA
+from puma.index.versions import read_alias, version_uri
 from puma.inference.catalogue import catalogue_name
 from puma.inference.embedder import read_image_bytes
 from puma.serve.errors import RequestError
 
 log = logging.getLogger(__name__)
-HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CATALOGUE, IMAGE_URI, IMAGE_ROW]
+HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CLASS_NAME, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA]
 THUMBNAIL_SIDE = 256
 MAX_CACHED_FILTERS = 64
 
@@ -46,67 +52,75 @@ class State:
 
     index: ShardedIndex | None  # None while the index has no shards
     manifest: Manifest
-    meta: pa.Table  # HIT_COLUMNS in global id order
+    meta: pa.Table  # HIT_COLUMNS in row order (removed rows included: see index.live)
     loaded_at: float = field(default_factory=time.time)
     masks: dict = field(default_factory=dict)  # (datasets, catalogues) -> bool (N,) mask
 
     @property
     def items(self) -> int:
-        return 0 if self.index is None else self.index.ntotal
+        return 0 if self.index is None else self.index.live_total
+
+    def live_meta(self) -> pa.Table:
+        return self.meta if self.index is None else self.meta.filter(pa.array(self.index.live))
 
 
 class LiveIndex:
-    """The index at ``cfg.uri``, refreshed from its manifest; refuses another model id or dimension."""
+    """One index folder (a version of the location, or a location without versions), refreshed from
+    its manifest; refuses a manifest of another model id or dimension."""
 
-    def __init__(self, cfg: IndexConfig, model_id: str, dim: int) -> None:
-        self.cfg, self.model_id, self.dim = cfg, model_id, dim
+    def __init__(self, cfg: IndexConfig, model_id: str | None, dim: int, uri: str = "",
+                 version: str = "") -> None:
+        self.cfg, self.dim, self.version = cfg, dim, version
+        self.uri = uri or cfg.uri
         self.refused = ""  # why the newest manifest is not served ('' when it is)
         self._lock = threading.Lock()  # one refresh at a time
-        self.state = self._load(self._checked(read_manifest(cfg.uri)), None)
+        self._meta_cache: dict = {}  # shard fingerprint -> its HIT_COLUMNS
+        manifest = read_manifest(self.uri)
+        self.model_id = manifest.model_id if model_id is None else model_id
+        self.state = self._load(self._checked(manifest), None)
 
     # ------------------------------------------------------------------------- refreshing
 
     def refresh(self) -> bool:
-        """Load the shards committed since the last load; True when the served index changed."""
+        """Load what was committed since the last load; True when the served index changed."""
         with self._lock:
-            manifest = read_manifest(self.cfg.uri)
+            manifest = read_manifest(self.uri)
             if _version(manifest) == _version(self.state.manifest):
                 return False
             try:
                 manifest = self._checked(manifest)
             except IndexInputError as exc:
                 if str(exc) != self.refused:
-                    log.error("not serving the new manifest of %s: %s", self.cfg.uri, exc)
+                    log.error("not serving the new manifest of %s: %s", self.uri, exc)
                 self.refused = str(exc)
                 return False
             self.state, self.refused = self._load(manifest, self.state), ""
-            log.info("serving %s: %d items in %d shards", self.cfg.uri, self.state.items,
-                     len(manifest.shards))
+            log.info("serving %s: %d items in %d shards", self.uri, self.state.items, len(manifest.shards))
             return True
 
     def _checked(self, manifest: Manifest) -> Manifest:
         """The manifest, if it holds embeddings of the served model and dimension."""
         if manifest.model_id != self.model_id:
-            raise IndexInputError(f"index {self.cfg.uri} now holds embeddings of model "
+            raise IndexInputError(f"index {self.uri} now holds embeddings of model "
                                   f"{manifest.model_id or '(none recorded)'!r}, not of the served model "
                                   f"{self.model_id or '(none recorded)'!r}; restart the service with that "
                                   "model's checkpoint, or point index.uri at an index of this model")
         if manifest.dim != self.dim:
-            raise IndexInputError(f"index {self.cfg.uri} now holds {manifest.dim}-dim embeddings; the "
+            raise IndexInputError(f"index {self.uri} now holds {manifest.dim}-dim embeddings; the "
                                   f"service serves {self.dim}-dim ones")
         return manifest
 
     def _load(self, manifest: Manifest, old: State | None) -> State:
-        """A state for ``manifest``, reusing the shards ``old`` already holds when it extends them."""
+        """A state for ``manifest``, reusing the shards (and their hit columns) ``old`` already holds."""
         if not manifest.shards:
             return State(None, manifest, pa.table({c: pa.nulls(0) for c in HIT_COLUMNS}))
-        if old is None or old.index is None or not old.index.extended_by(manifest):
-            index = ShardedIndex.open(self.cfg.uri, nprobe=self.cfg.nprobe, use_gpu=self.cfg.use_gpu,
+        if old is None or old.index is None:
+            index = ShardedIndex.open(self.uri, nprobe=self.cfg.nprobe, use_gpu=self.cfg.use_gpu,
                                       query_chunk=self.cfg.query_chunk, keep_cpu=True)
-            return State(index, manifest, index.table(HIT_COLUMNS, missing_ok=True).combine_chunks())
-        index = old.index.refreshed(manifest)
-        new_rows = _new_rows(index, old.items)
-        return State(index, manifest, pa.concat_tables([old.meta, new_rows], promote_options="permissive"))
+        else:
+            index = old.index.refreshed(manifest)
+        meta, self._meta_cache = index.columns_by_shard(HIT_COLUMNS, self._meta_cache)
+        return State(index, manifest, meta)
 
     # ------------------------------------------------------------------------- searching
 
@@ -142,8 +156,8 @@ class LiveIndex:
 
     def _searchable(self) -> State:
         state = self.state
-        if state.index is None:
-            raise RequestError(503, f"index {self.cfg.uri} has no items yet; embed a catalogue with "
+        if state.index is None or not state.items:
+            raise RequestError(503, f"index {self.uri} has no items yet; embed a catalogue with "
                                     "jobs/embed.py (the service picks it up without a restart)")
         return state
 
@@ -162,8 +176,9 @@ class LiveIndex:
         if key not in state.masks:
             if len(state.masks) >= MAX_CACHED_FILTERS:
                 state.masks.clear()
-            state.masks[key] = _mask(state.meta, DATASET, datasets, "dataset") & _catalogue_mask(state.meta,
-                                                                                                   catalogues)
+            live = state.index.live
+            state.masks[key] = (_mask(state.meta, DATASET, datasets, "dataset", live)
+                                & _catalogue_mask(state.meta, catalogues, live) & live)
         return state.masks[key]
 
     # ------------------------------------------------------------------------- images and stats
@@ -190,41 +205,120 @@ class LiveIndex:
     def stats(self) -> dict:
         """Items, shards, datasets and catalogues with their counts, the model id, freshness."""
         state, manifest = self.state, self.state.manifest
-        return {"index_uri": self.cfg.uri, "items": state.items, "shards": len(manifest.shards),
+        meta = state.live_meta()
+        return {"index_uri": self.uri, "version": self.version, "items": state.items,
+                "shards": len(manifest.shards), "removed_rows": manifest.removed,
                 "model_id": manifest.model_id, "dim": manifest.dim, "metric": manifest.metric,
                 "index_type": manifest.index_type, "nprobe": self.cfg.nprobe,
                 "on_gpu": bool(state.index is not None and state.index.on_gpu),
-                "datasets": _counts(state.meta[DATASET]),
+                "datasets": _counts(meta[DATASET]),
                 "catalogues": [{"uri": uri, "name": _name(uri), "items": n}
-                               for uri, n in _counts(state.meta[CATALOGUE]).items()],
+                               for uri, n in _counts(meta[CATALOGUE]).items()],
                 "manifest_updated": manifest.updated, "loaded_at": time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.loaded_at)), "refused_update": self.refused}
 
 
+class ServedIndexes:
+    """The versions a replica serves: the live one named by the location's alias, and the one before it
+    while requests that started on it finish (a location without versions: one LiveIndex, version '').
+
+    ``get(version)`` loads a version on first use, so a request pinned to a version this replica has
+    not loaded yet (another replica switched first) is still answered by that version."""
+
+    def __init__(self, cfg: IndexConfig, dim: int, grace_s: float = 30.0) -> None:
+        self.cfg, self.dim, self.grace_s = cfg, dim, grace_s
+        self.location = cfg.uri
+        self._lock = threading.RLock()
+        self._loaded: dict[str, LiveIndex] = {}
+        self._in_flight: dict[str, int] = {}
+        self._retired: dict[str, float] = {}  # version -> when it stopped being live
+        self.live = self._live_name()
+        self.get(self.live)
+
+    def _live_name(self) -> str:
+        alias = read_alias(self.location)
+        return alias.live if alias is not None else ""
+
+    def get(self, version: str | None = None) -> LiveIndex:
+        """The LiveIndex of ``version`` (default: the live one), loaded if this replica has not yet."""
+        version = self.live if version is None else version
+        with self._lock:
+            if version not in self._loaded:
+                uri = version_uri(self.location, version) if version else self.location
+                if version and not has_manifest(uri):
+                    raise RequestError(409, f"version {version} of {self.location} no longer exists; "
+                                            "send the request again")
+                self._loaded[version] = LiveIndex(self.cfg, None, self.dim, uri=uri, version=version)
+                log.info("loaded version %s of %s", version or "(single index)", self.location)
+            return self._loaded[version]
+
+    @contextmanager
+    def use(self, version: str | None = None):
+        """The LiveIndex of ``version`` held for one request (a retired version is not dropped while
+        a request holds it)."""
+        index = self.get(version)
+        with self._lock:
+            self._in_flight[index.version] = self._in_flight.get(index.version, 0) + 1
+        try:
+            yield index
+        finally:
+            with self._lock:
+                self._in_flight[index.version] -= 1
+
+    def refresh(self) -> bool:
+        """Follow the alias (load a new live version beside the old), refresh what is loaded, drop
+        retired versions no request holds after the grace period; True when the live version changed."""
+        live = self._live_name()
+        switched = live != self.live
+        if switched:
+            self.get(live)  # loaded before it is served
+            with self._lock:
+                self._retired[self.live] = time.monotonic()
+                self._retired.pop(live, None)
+                self.live = live
+            log.info("index %s: serving version %s", self.location, live)
+        for index in list(self._loaded.values()):
+            index.refresh()
+        self._drop_retired()
+        return switched
+
+    def _drop_retired(self) -> None:
+        now_s = time.monotonic()
+        with self._lock:
+            for version, since in list(self._retired.items()):
+                if now_s - since >= self.grace_s and not self._in_flight.get(version, 0):
+                    self._loaded.pop(version, None)
+                    self._retired.pop(version)
+                    log.info("dropped version %s of %s", version, self.location)
+
+    @property
+    def loaded(self) -> list[str]:
+        return sorted(self._loaded)
+
+
 def _version(manifest: Manifest) -> tuple:
-    """What identifies a committed manifest: its trained index, model, shard list and update time."""
-    return (manifest.trained.sha256, manifest.model_id, manifest.updated,
-            tuple((s.name, s.index.sha256) for s in manifest.shards))
-
-
-def _new_rows(index: ShardedIndex, start: int) -> pa.Table:
-    """The hit columns of global ids [start, N): the shards added by a refresh."""
-    return index.rows(np.arange(start, index.ntotal, dtype=np.int64), HIT_COLUMNS)
+    """What identifies a committed manifest: its trained index, model, shards with their removals."""
+    return (manifest.trained.sha256, manifest.model_id,
+            tuple((s.name, s.index.sha256, s.removed.sha256 if s.removed else "") for s in manifest.shards))
 
 
 def _hits(state: State, scores: np.ndarray, ids: np.ndarray) -> list[dict]:
     """(k,) scores and global ids (-1: none) -> hit dicts in rank order."""
     keep = ids >= 0
     rows = state.meta.take(pa.array(ids[keep])).to_pylist()
+    for row in rows:
+        row[METADATA] = json.loads(row[METADATA]) if row[METADATA] else {}
+        row[CLASS_NAME] = row[CLASS_NAME] or ""
     return [{"rank": rank, "score": round(float(score), 6), **row}
             for rank, (score, row) in enumerate(zip(scores[keep], rows, strict=True), start=1)]
 
 
-def _mask(meta: pa.Table, column: str, names: tuple[str, ...], what: str) -> np.ndarray:
-    """Items whose ``column`` is one of ``names`` (all items when none are named); 422 on unknown names."""
+def _mask(meta: pa.Table, column: str, names: tuple[str, ...], what: str, live: np.ndarray) -> np.ndarray:
+    """Items whose ``column`` is one of ``names`` (all items when none are named); 422 on names no live
+    item has."""
     if not names:
         return np.ones(len(meta), dtype=bool)
-    present = set(_counts(meta[column]))
+    present = set(_counts(meta[column].filter(pa.array(live))))
     unknown = [n for n in names if n not in present]
     if unknown:
         raise RequestError(422, f"unknown {what}(s) {unknown}; this index has {sorted(present)[:20]}")
@@ -232,14 +326,14 @@ def _mask(meta: pa.Table, column: str, names: tuple[str, ...], what: str) -> np.
         zero_copy_only=False)
 
 
-def _catalogue_mask(meta: pa.Table, names: tuple[str, ...]) -> np.ndarray:
+def _catalogue_mask(meta: pa.Table, names: tuple[str, ...], live: np.ndarray) -> np.ndarray:
     """Items of the named catalogues, each named by its URI or its folder name."""
-    uris = list(_counts(meta[CATALOGUE]))
+    uris = list(_counts(meta[CATALOGUE].filter(pa.array(live))))
     by_name = {**{_name(u): u for u in uris}, **{u: u for u in uris}}
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise RequestError(422, f"unknown catalogue(s) {unknown}; this index has {sorted(by_name)[:20]}")
-    return _mask(meta, CATALOGUE, tuple(sorted({by_name[n] for n in names})), "catalogue")
+    return _mask(meta, CATALOGUE, tuple(sorted({by_name[n] for n in names})), "catalogue", live)
 
 
 def _counts(column: pa.ChunkedArray) -> dict[str, int]:

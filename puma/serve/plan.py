@@ -3,6 +3,8 @@
 A config that cannot work fails here, in one line: no index at index.uri, a checkpoint that does
 not load, or a checkpoint of another model than the one the index was built with (the model id,
 ``puma.checkpoint.checkpoint_id``, compared by ``puma.inference.search.query_model_mismatch``).
+With versions (puma.index.versions) the live version is served, and its query model is the
+checkpoint its manifest records (the configured one when it records none or it is gone).
 An index that records no model id (built from vectors by ``puma.index.build_index``) can still be
 served with ``serve.image_queries=false``: vector and item-id queries only.
 """
@@ -17,6 +19,7 @@ from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.index.manifest import Manifest, read_manifest
 from puma.index.plan import IndexInputError
+from puma.index.versions import read_alias, resolve
 from puma.serve.errors import ServiceSetupError
 
 
@@ -28,6 +31,7 @@ class ServicePlan:
     manifest: Manifest
     checkpoint: str = ""  # '' when image queries are off
     view: ViewSpec | None = None  # the model's eval view for query images
+    version: str = ""  # the live version served ('' for a location without versions)
 
     @property
     def model_id(self) -> str:
@@ -44,23 +48,38 @@ def plan_service(cfg: Config) -> ServicePlan:
     cfg = absolute_paths(cfg)
     storage.configure(cfg.storage)
     try:
-        manifest = read_manifest(cfg.index.uri)
+        alias = read_alias(cfg.index.uri)
+        manifest = read_manifest(resolve(cfg.index.uri))
     except IndexInputError as exc:
         raise ServiceSetupError(f"{exc}; embed a catalogue first: python jobs/embed.py --catalogue URI "
                                 f"index.uri={cfg.index.uri}") from exc
-    plan = ServicePlan(cfg, manifest)
+    plan = ServicePlan(cfg, manifest, version=alias.live if alias else "")
     if cfg.serve.image_queries:
         plan.checkpoint, plan.view = check_model(cfg, manifest)
     return plan
 
 
 def check_model(cfg: Config, manifest: Manifest) -> tuple[str, ViewSpec]:
-    """(checkpoint URI, its eval view) when the checkpoint is the index's model; else ServiceSetupError."""
-    from puma.checkpoint import checkpoint_id, read_checkpoint  # torch: only with image queries
+    """(checkpoint URI, its eval view) for the index's model; else ServiceSetupError. A checkpoint
+    given as embed.checkpoint must be that model; without one, the run's best when it is that model,
+    else the checkpoint the manifest records (e.g. a newer version's model)."""
     from puma.inference.job import resolve_checkpoint
+
+    configured = resolve_checkpoint(cfg)
+    try:
+        return _checked_model(cfg, manifest, configured)
+    except ServiceSetupError:
+        recorded = manifest.checkpoint
+        if cfg.embed.checkpoint or not recorded or recorded == configured or \
+                not storage.exists(storage.join(recorded, "config.yaml")):
+            raise
+        return _checked_model(cfg, manifest, recorded)
+
+
+def _checked_model(cfg: Config, manifest: Manifest, checkpoint: str) -> tuple[str, ViewSpec]:
+    from puma.checkpoint import checkpoint_id, read_checkpoint  # torch: only with image queries
     from puma.inference.search import query_model_mismatch
 
-    checkpoint = resolve_checkpoint(cfg)
     try:
         state = read_checkpoint(checkpoint)
     except (ValueError, OSError) as exc:  # CheckpointError, FileNotFoundError, StorageError

@@ -1,0 +1,32 @@
+"""Named fault points for crash tests: ``fault_point(name)`` ends the process at that moment.
+
+A crash test runs a job with ``PUMA_FAULT_AT=<name>`` (optionally ``<name>:<n>``, the n-th time the
+point is reached, 1-based) in its environment; when the point is reached the process exits at once
+with status 137 (as if killed by SIGKILL: no ``finally``, no flushing), so the test sees exactly the
+state a kill at that moment leaves. Without the variable a fault point costs one dict lookup.
+
+Points: ``index.shard_written`` (a shard's Parquet written, its index not yet), ``index.commit``
+(every file of a commit written, the manifest not yet), ``versions.promote`` (the new version
+verified, the alias not yet switched), ``versions.retain`` (an old version's manifest deleted, its
+files not yet), ``embed.block`` (a block of embeddings committed, the next not yet).
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "PUMA_FAULT_AT"
+_seen: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Exit the process now (status 137) if ``PUMA_FAULT_AT`` names this point (and this visit)."""
+    wanted = os.environ.get(ENV)
+    if not wanted:
+        return
+    point, _, nth = wanted.partition(":")
+    if point != name:
+        return
+    _seen[name] = _seen.get(name, 0) + 1
+    if _seen[name] >= int(nth or 1):
+        os._exit(137)
