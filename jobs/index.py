@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = job_parser(__doc__.splitlines()[0])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "\n".join(__doc__.splitlines()[2:]) + "\n" + parser.epilog
-    parser.add_argument("action", choices=ACTIONS, help="what to do")
+    parser.usage = "index.py {" + ",".join(ACTIONS) + "} [options] [key=value ...]"
     parser.add_argument("--version", default="", help="promote: the version to make live")
     parser.add_argument("--catalogue", default="", help="remove-catalogue: the catalogue URI, as embedded")
     return parser
@@ -40,9 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse, run the action on index.uri, print what it did."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    action = argv.pop(0) if argv and argv[0] in ACTIONS else ""
     args, cfg = parse_job_args(parser, argv)
     if cfg is None:
         return 0
+    if not action:
+        print(f"error: give the action first: one of {', '.join(ACTIONS)}", file=sys.stderr)
+        return 2
+    args.action = action
     needs = {"promote": args.version, "remove-catalogue": args.catalogue}
     if args.action in needs and not needs[args.action]:
         flag = "--version NAME" if args.action == "promote" else "--catalogue URI"

@@ -164,6 +164,7 @@ def commit_changes(uri: str, table: pa.Table | None = None, remove: np.ndarray |
     and ``update(manifest)`` (catalogue and run records). Files first, manifest last: a crash before
     the manifest write leaves the index as it was, plus files the next write deletes."""
     manifest = read_manifest(uri)
+    clean_orphans(uri, manifest)  # what a crashed or superseded write left
     before = _state_key(manifest)
     report = CommitReport()
     added = []

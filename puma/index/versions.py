@@ -158,7 +158,9 @@ def promote(location: str, version: str, keep: int = 0) -> Alias:
                               f"e.g. {missing[:3]}: embed them with its checkpoint first")
     verify(uri).raise_if_bad()
     alias = read_alias(location)
-    if alias is not None and alias.live == version:
+    if alias is not None and alias.live == version:  # already live (e.g. a re-run after a kill)
+        if keep:
+            retain(location, keep)
         return alias
     manifest = read_manifest(uri)
     new = Alias(live=version, previous=alias.live if alias else "",

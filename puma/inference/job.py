@@ -344,7 +344,9 @@ def _todo(run: _Run, split: str) -> pa.Table:
     run.report.skipped_indexed = run.plan.unchanged + run.plan.restamp_count
     todo = run.plan.embed
     if not run.cfg.embed.retry_rejects:
-        listed = pa.array([r["item_id"] for r in read_rejects(run.report.rejects_uri)], pa.string())
+        rows = read_rejects(run.report.rejects_uri)
+        bad_images = [r["item_id"] for r in rows if r.get("stage") != "catalogue"]
+        listed = pa.array(bad_images, pa.string())  # a catalogue-stage reject names a row, not the item
         fresh = pc.invert(pc.is_in(todo[ITEM_ID], value_set=pa.array(list(run.plan.replaced), pa.string())))
         retried = todo.filter(pc.invert(fresh))  # changed items are always read again
         kept, run.report.skipped_rejected = without(todo.filter(fresh), listed)

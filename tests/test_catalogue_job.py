@@ -1,0 +1,215 @@
+"""Catalogues that change, end to end on real photos: jobs/embed.py reconciles a folder catalogue and a
+CSV table catalogue (adds, replaced photos, removals), a new model builds and promotes its own
+version, a rollback returns, and a whole catalogue can be removed.
+
+Run 2 of each catalogue must read and embed exactly the replaced and added images; after it the
+index holds exactly the catalogue, every replaced item is found first by its new photo, and no
+query (every photo, removed ones included) returns a removed item.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from tiny import make_checkpoint, reference_embeddings
+
+from puma.config import IndexConfig, load_config
+from puma.data.rejects import read_rejects
+from puma.index import ShardedIndex, read_manifest, verify
+from puma.index.versions import list_versions, read_alias, resolve, version_name
+from puma.inference.job import checkpoint_id, embed_catalogue, embed_catalogues
+from puma.serve.live_index import LiveIndex
+
+REPO = Path(__file__).resolve().parent.parent
+FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
+CLASSES = ("bluebell", "daisy", "iris", "pansy")
+
+
+def load_job(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_job", REPO / "jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "best"))
+
+
+def photos(cls: str) -> list[Path]:
+    return sorted((FLOWERS / cls).glob("*.jpg"))
+
+
+def cfg_for(root: Path, checkpoint: str, *overrides: str):
+    return load_config(None, [f"index.uri={root / 'index'}", f"embed.checkpoint={checkpoint}",
+                              "embed.commit_rows=16", "embed.batch_size=8", "data.decode_batch_size=8",
+                              "embed.num_cpus=1", "index.compact_fraction=0.5", *overrides])
+
+
+def refs_of(paths: list[Path]) -> pa.Table:
+    return pa.table({"image_uri": [str(p) for p in paths], "image_row": [-1] * len(paths)})
+
+
+def search_all(location: str, queries: np.ndarray, k: int) -> np.ndarray:
+    index = ShardedIndex.open(location, use_gpu=False)
+    return index.search(queries, min(k, index.live_total))[1]
+
+
+def assert_index_is_the_catalogue(location: str, expected_ids: set[str], checkpoint: str,
+                                  replaced: dict[str, Path], every_photo: list[Path], removed: set[str]) -> None:
+    """Exactly the catalogue's items; replaced items found first by their new photo; no removed item
+    returned by any query."""
+    index = ShardedIndex.open(location, use_gpu=False)
+    live = {str(i) for i in index.to_item_ids(np.flatnonzero(index.live))}
+    assert live == expected_ids and index.live_total == len(expected_ids)
+    assert verify(resolve(location)).ok
+    new = reference_embeddings(checkpoint, refs_of(list(replaced.values())))  # (R, E)
+    _, first = index.search(new, 1)
+    assert list(first[:, 0]) == list(replaced)
+    np.testing.assert_allclose(index.embeddings(list(replaced)), new, atol=1e-5)
+    found = search_all(location, reference_embeddings(checkpoint, refs_of(every_photo)), 10)
+    assert not removed & {str(i) for i in found.ravel()}
+
+
+@pytest.mark.budget(150)  # three reconciling runs (Ray Data) and the model forward of 50 photos in process
+def test_a_folder_catalogue_is_reconciled_run_after_run(ray_cluster, checkpoint, tmp_path):
+    shop = tmp_path / "shop"
+    for cls in CLASSES:
+        (shop / cls).mkdir(parents=True)
+        for p in photos(cls)[:10]:
+            shutil.copy(p, shop / cls / p.name)
+    cfg = cfg_for(tmp_path, checkpoint)
+    first = embed_catalogue(cfg, str(shop))
+    assert (first.embedded, first.added, first.removed, first.total) == (40, 40, 0, 40)
+    ids = {f"shop/{cls}/{p.name}" for cls in CLASSES for p in photos(cls)[:10]}
+    # 10 % removed, 5 % replaced by photos of other classes under the same names, 10 % added
+    removed = {f"shop/bluebell/{p.name}" for p in photos("bluebell")[:4]}
+    for item in removed:
+        (tmp_path / item).unlink()
+    replaced = {}
+    for i, p in enumerate(photos("daisy")[:2]):
+        other = photos("pansy")[40 + i]
+        shutil.copy(other, shop / "daisy" / p.name)
+        replaced[f"shop/daisy/{p.name}"] = other
+    added = photos("iris")[10:14]
+    for p in added:
+        shutil.copy(p, shop / "iris" / p.name)
+    second = embed_catalogue(cfg, str(shop))
+    assert (second.embedded, second.added, second.changed, second.removed) == (6, 4, 2, 4)
+    assert (second.read_to_compare, second.skipped_indexed, second.total) == (2, 34, 40)
+    assert second.summary().count("added 4, changed 2, removed 4") == 1
+    ids = (ids - removed) | {f"shop/iris/{p.name}" for p in added}
+    every = [p for cls in CLASSES for p in photos(cls)[:14]] + [photos("pansy")[40], photos("pansy")[41]]
+    assert_index_is_the_catalogue(str(tmp_path / "index"), ids, checkpoint, replaced, every, removed)
+    run = read_manifest(resolve(str(tmp_path / "index"))).runs[-1]
+    assert (run["catalogue"], run["added"], run["changed"], run["removed"]) == (str(shop), 4, 2, 4)
+    # a file rewritten with the same bytes is read to compare, never embedded; nothing else is read
+    touched = shop / "iris" / photos("iris")[0].name
+    touched.write_bytes(touched.read_bytes())
+    third = embed_catalogue(cfg, str(shop))
+    assert (third.embedded, third.read_to_compare, third.restamped) == (0, 1, 1)
+    assert (third.removed, third.total) == (0, 40)
+    fourth = embed_catalogue(cfg, str(shop))
+    assert (fourth.embedded, fourth.read_to_compare, fourth.skipped_indexed) == (0, 0, 40)
+
+
+def write_table(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["item_id", "image_uri", "label", "price"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+@pytest.mark.budget(150)
+def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_cluster, checkpoint, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    rows = []
+    for cls in CLASSES:
+        for p in photos(cls)[20:30]:
+            shutil.copy(p, images / p.name)
+            rows.append({"item_id": f"sku-{p.stem}", "image_uri": f"images/{p.name}", "label": cls,
+                         "price": "10"})
+    table = tmp_path / "shop.csv"
+    bad = [{"item_id": "", "image_uri": "images/x.jpg", "label": "daisy", "price": "1"},
+           {"item_id": rows[0]["item_id"], "image_uri": "images/other.jpg", "label": "daisy", "price": "2"},
+           {"item_id": "sku-missing", "image_uri": "images/nowhere.jpg", "label": "daisy", "price": "3"}]
+    write_table(table, rows + bad)
+    cfg = cfg_for(tmp_path, checkpoint)
+    first = embed_catalogue(cfg, str(table))
+    assert (first.embedded, first.total, first.rejected) == (40, 40, 3)
+    reasons = {r["item_id"]: r["reason"] for r in read_rejects(first.rejects_uri)}
+    assert reasons == {"<row 42>": "empty_item_id", rows[0]["item_id"]: "duplicate_item_id",
+                       "sku-missing": "missing_file"}
+    removed = {r["item_id"] for r in rows[:4]}
+    keep = rows[4:]
+    replaced = {}
+    for i, row in enumerate(keep[10:12]):  # daisy rows now show pansies
+        other = photos("pansy")[50 + i]
+        shutil.copy(other, images / other.name)
+        row["image_uri"] = f"images/{other.name}"
+        replaced[row["item_id"]] = other
+    keep[20]["price"] = "12.5"  # only its metadata changed: re-added with its stored embedding
+    new_rows = []
+    for p in photos("iris")[40:44]:
+        shutil.copy(p, images / p.name)
+        new_rows.append({"item_id": f"sku-{p.stem}", "image_uri": str(images / p.name), "label": "iris",
+                         "price": "7"})
+    write_table(table, keep + new_rows)
+    second = embed_catalogue(cfg, str(table))
+    assert (second.embedded, second.added, second.changed) == (6, 4, 2)
+    assert (second.removed, second.restamped) == (4, 1)
+    ids = {r["item_id"] for r in keep + new_rows}
+    every = [p for cls in CLASSES for p in photos(cls)[20:30]]
+    every += list(replaced.values()) + photos("iris")[40:44]
+    assert_index_is_the_catalogue(str(tmp_path / "index"), ids, checkpoint, replaced, every, removed)
+    location = str(tmp_path / "index")
+    dim = read_manifest(resolve(location)).dim
+    live = LiveIndex(IndexConfig(uri=resolve(location), use_gpu=False), None, dim)
+    hit = live.search_item(keep[20]["item_id"], 1, include_self=True)[0]
+    assert (hit["item_id"], hit["metadata"]) == (keep[20]["item_id"], {"price": "12.5"})
+    assert hit["class_name"] == "iris"
+    assert hit["label"] == sorted(CLASSES).index("iris")
+
+
+@pytest.mark.budget(180)  # two catalogues embedded by two models, then a removal and a rollback
+def test_a_new_model_builds_its_version_for_every_live_catalogue_then_goes_live(ray_cluster, checkpoint,
+                                                                              tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, cls in ((a, "daisy"), (b, "pansy")):
+        folder.mkdir()
+        for p in photos(cls)[60:66]:
+            shutil.copy(p, folder / p.name)
+    location = str(tmp_path / "index")
+    cfg = cfg_for(tmp_path, checkpoint)
+    embed_catalogues(cfg, [str(a), str(b)])
+    old = version_name(checkpoint_id(checkpoint))
+    assert read_alias(location).live == old
+    other = make_checkpoint(str(tmp_path / "other"), seed=5)
+    new = version_name(checkpoint_id(other))
+    reports = embed_catalogues(cfg_for(tmp_path, other), [str(a)])  # b comes along: it is live
+    done = [(Path(r.catalogue).name, r.embedded, r.version) for r in reports]
+    assert done == [("a", 6, new), ("b", 6, new)]
+    assert reports[-1].promoted == new and read_alias(location).live == new
+    index = ShardedIndex.open(location, use_gpu=False)
+    assert index.manifest.model_id == checkpoint_id(other) and index.live_total == 12
+    q = reference_embeddings(other, refs_of([a / p.name for p in photos("daisy")[60:62]]))
+    assert list(index.search(q, 1)[1][:, 0]) == [f"a/{p.name}" for p in photos("daisy")[60:62]]
+    job = load_job("index")
+    assert job.main(["remove-catalogue", "--catalogue", str(b), f"index.uri={location}"]) == 0
+    assert "removed 6 item(s)" in capsys.readouterr().out
+    for version in list_versions(location):
+        manifest = read_manifest(version.uri)
+        assert str(b) not in manifest.catalogues and manifest.total == 6 and manifest.removed == 0
+    assert job.main(["rollback", f"index.uri={location}"]) == 0
+    assert read_alias(location).live == old and ShardedIndex.open(location, use_gpu=False).live_total == 6
+    assert job.main(["versions", f"index.uri={location}"]) == 0
+    out = capsys.readouterr().out
+    assert f"{old}" in out and "live" in out and "previous" in out
