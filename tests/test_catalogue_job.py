@@ -63,7 +63,8 @@ def search_all(location: str, queries: np.ndarray, k: int) -> np.ndarray:
 
 
 def assert_index_is_the_catalogue(location: str, expected_ids: set[str], checkpoint: str,
-                                  replaced: dict[str, Path], every_photo: list[Path], removed: set[str]) -> None:
+                                  replaced: dict[str, Path], every_photo: list[Path],
+                                  removed: set[str]) -> None:
     """Exactly the catalogue's items; replaced items found first by their new photo; no removed item
     returned by any query."""
     index = ShardedIndex.open(location, use_gpu=False)
