@@ -41,8 +41,9 @@ from puma.data.prepare import prepare
 from puma.data.sources import SourceSpec
 from puma.index.manifest import read_manifest
 from puma.index.table import read_table
-from puma.index.versions import read_alias, resolve
+from puma.index.versions import read_alias, resolve, rollback, version_name
 from puma.inference import embed_catalogue
+from puma.inference.job import embed_catalogues
 
 REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
@@ -51,6 +52,7 @@ if not FLOWERS.exists():
 TOKEN = "test-token-7b1e"
 MAX_K, MAX_BYTES, MAX_PIXELS = 20, 300_000, 1_000_000
 START_TIMEOUT_S = 300
+CLIENTS = 8
 
 
 def photo_folder(root: Path, name: str, start: int, n_photos: int, n_generated: int) -> Path:
@@ -396,3 +398,95 @@ def test_another_models_checkpoint_is_refused_in_one_line_before_ray_starts(serv
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: refusing to serve: index") and other in lines[0]
     assert not (tmp_path / "ray").exists()  # no Ray was started
+
+
+class RolloutClients:
+    """CLIENTS threads, each querying its own photos in a loop; every answer recorded with its time."""
+
+    def __init__(self, url: str, photos: list[Path], name_of, token: str) -> None:
+        self.url, self.photos, self.name_of, self.token = url, photos, name_of, token
+        self.stop = threading.Event()
+        self.answers: list[list[tuple]] = [[] for _ in range(CLIENTS)]  # (t_sent, t_got, status, body)
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENTS)]
+
+    def __enter__(self) -> RolloutClients:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=150)
+
+    def _run(self, client: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            photo = self.photos[(client + n) % len(self.photos)]
+            n += 1
+            request = urllib.request.Request(self.url, data=photo.read_bytes(), method="POST",
+                                             headers={"Content-Type": "image/jpeg",
+                                                      "Authorization": f"Bearer {self.token}"})
+            sent = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    status, body = response.status, json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                status, body = error.code, {"error": error.read().decode(errors="replace")}
+            except OSError as error:  # a connection refused or reset counts as a failed request
+                status, body = 0, {"error": str(error)}
+            self.answers[client].append((sent, time.monotonic(), status, body, self.name_of(photo)))
+
+    def latest_versions(self) -> set[str]:
+        return {a[-1][3].get("version", "") for a in self.answers if a}
+
+    def wait_for(self, version: str, timeout: float) -> float:
+        """Seconds until every client's latest answer comes from ``version``."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.latest_versions() == {version}:
+                return time.monotonic() - start
+            time.sleep(0.05)
+        pytest.fail(f"clients still answered by {self.latest_versions()} after {timeout} s")
+
+
+@pytest.mark.budget(150)  # model B's version of both catalogues built under load (20-40 s), then a rollback
+def test_a_new_model_goes_live_under_load_without_a_failed_or_mixed_response_and_rolls_back(service):
+    """8 clients send image queries (embedded by the model, searched in the index) while model B's version
+    is built and promoted, then rolled back. The query photo is indexed, so the model and the index agree
+    (top hit the photo itself, score 1.0) only when both are of one version; each client's versions move
+    A -> B after the promotion and B -> A after the rollback, never back; no request fails."""
+    model_b = make_checkpoint(str(service["root"] / "model_b" / "best"), seed=11)
+    a, b = version_name(checkpoint_id(service["checkpoint"])), version_name(checkpoint_id(model_b))
+    url = service["url"] + "search?k=3"
+    with RolloutClients(url, photos(service), lambda p: item_id_of(service, p), TOKEN) as clients:
+        clients.wait_for(a, 60)
+        time.sleep(2)
+        cfg = load_config(None, [*service["common"], f"embed.checkpoint={model_b}"])
+        live_catalogues = read_manifest(resolve(service["index"])).catalogues
+        building = time.monotonic()
+        reports = embed_catalogues(cfg, [])  # a new model: its version of every live catalogue, promoted
+        promoted = time.monotonic()
+        assert reports[-1].promoted == b and read_alias(service["index"]).live == b
+        assert sorted(r.catalogue for r in reports) == sorted(live_catalogues)
+        switch_b = clients.wait_for(b, 60)
+        time.sleep(2)
+        rollback(service["index"])
+        rolled = time.monotonic()
+        switch_a = clients.wait_for(a, 60)
+        time.sleep(1)
+    answers = [x for client in clients.answers for x in client]
+    failed = [x for x in answers if x[2] != 200]
+    assert not failed, f"{len(failed)} of {len(answers)} requests failed, e.g. {failed[:3]}"
+    for _sent, _got, _status, body, item in answers:  # one version answered each request, whole
+        assert body["version"] == version_name(body["model_id"]) and body["version"] in (a, b)
+        top = body["hits"][0]
+        assert top["item_id"] == item and top["score"] > 0.999, (body["version"], top)
+    for client in clients.answers:  # A, then B once promoted, then A once rolled back: never back
+        versions = [x[3]["version"] for x in sorted(client)]
+        changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+        assert changes == [a, b, a], changes
+        assert all(x[3]["version"] == a for x in client if x[1] < building)  # no B before it was built
+        assert not [x for x in client if x[3]["version"] == a and promoted + switch_b < x[0] < rolled]
+    print(f"rollout: {len(answers)} requests, switch to B {switch_b:.2f} s after promote, back to A "
+          f"{switch_a:.2f} s after rollback (watch interval 0.5 s)")
