@@ -435,3 +435,44 @@ def test_on_a_gpu_the_model_deployment_embeds_on_cuda_as_on_cpu(checkpoints):
     on_cpu = Embedder(checkpoints["a"], "", storage.current_config(), use_gpu=False, threads=1)
     assert on_gpu.device.type == "cuda"
     np.testing.assert_allclose(on_gpu.forward(views), on_cpu.forward(views), atol=1e-3)
+
+
+def _version(location: Path, name: str, model_id: str, names: list[str], seed: int) -> np.ndarray:
+    from puma.index.build import commit_changes
+    from puma.index.versions import version_uri
+
+    x = np.random.default_rng(seed).standard_normal((len(names), 8)).astype(np.float32)
+    table = pa.table({"item_id": names, "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)})
+    uri = version_uri(str(location), name)
+    build_index(uri, table, IndexConfig(index_type="flat", use_gpu=False), model_id=model_id)
+    commit_changes(uri, update=lambda m: m.catalogues.update({"c": {}}))
+    return x
+
+
+def test_served_indexes_follow_the_alias_and_drop_the_old_version_once_no_request_holds_it(tmp_path):
+    from puma.index.versions import promote, rollback
+    from puma.serve.live_index import ServedIndexes
+
+    location = tmp_path / "loc"
+    xa = _version(location, "m-a", "sha256:a", ["a/1", "a/2", "a/3"], seed=1)
+    xb = _version(location, "m-b", "sha256:b", ["b/1", "b/2"], seed=2)
+    promote(str(location), "m-a")
+    served = ServedIndexes(IndexConfig(uri=str(location), use_gpu=False), 8, grace_s=0.0)
+    assert served.live == "m-a" and served.loaded == ["m-a"] and not served.refresh()
+    with served.use() as held:  # a request that started on A
+        promote(str(location), "m-b")
+        assert served.refresh() and served.live == "m-b" and served.loaded == ["m-a", "m-b"]
+        assert held.version == "m-a" and held.search_vector(xa[0], 1)[0]["item_id"] == "a/1"
+        served.refresh()
+        assert served.loaded == ["m-a", "m-b"]  # still held: not dropped
+    served.refresh()
+    assert served.loaded == ["m-b"]  # released and past the grace period: dropped
+    with served.use() as live:
+        assert live.search_vector(xb[1], 1)[0]["item_id"] == "b/2" and live.stats()["version"] == "m-b"
+    with served.use("m-a") as pinned:  # a request pinned to A (another replica was slower): loaded again
+        assert pinned.search_vector(xa[2], 1)[0]["item_id"] == "a/3"
+    rollback(str(location))
+    assert served.refresh() and served.live == "m-a"
+    with pytest.raises(RequestError, match="no longer exists") as err:
+        served.get("m-gone")
+    assert err.value.status == 409
