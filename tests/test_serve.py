@@ -442,7 +442,8 @@ def _version(location: Path, name: str, model_id: str, names: list[str], seed: i
     from puma.index.versions import version_uri
 
     x = np.random.default_rng(seed).standard_normal((len(names), 8)).astype(np.float32)
-    table = pa.table({"item_id": names, "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)})
+    embedding = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)
+    table = pa.table({"item_id": names, "embedding": embedding})
     uri = version_uri(str(location), name)
     build_index(uri, table, IndexConfig(index_type="flat", use_gpu=False), model_id=model_id)
     commit_changes(uri, update=lambda m: m.catalogues.update({"c": {}}))
