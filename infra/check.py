@@ -20,7 +20,10 @@ ConfigMaps (the CronJob's template) are checked like rendered objects. Reported:
   and NetworkPolicies that let anything outside the namespace reach the head's 8265, 10001 or 6379
   (only the KubeRay operator may reach 8265); a RayService's Serve port must be reachable from the
   namespace its ``puma.io/clients-namespace`` annotation names and from nothing else outside;
-- dangling references (service accounts, ConfigMaps, Roles, RayClusters named by clusterSelector).
+- dangling references (service accounts, ConfigMaps, Roles, RayClusters named by clusterSelector);
+- scheduled runs never overlap (one writer per index): a CronJob has concurrencyPolicy Forbid and a
+  startingDeadlineSeconds, one that creates RayJobs never retries its pod, and every scheduled
+  RayJob (a RayCronJob's, or one a CronJob creates) stops before the schedule's next run.
 
 Exit status 1 if anything is reported.
 """
@@ -28,7 +31,9 @@ Exit status 1 if anything is reported.
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -424,6 +429,56 @@ def _cron_field_ok(field_text: str, lo: int, hi: int, names: dict[str, int]) -> 
         if any(not lo <= b <= hi for b in bounds) or bounds != sorted(bounds):
             return False
     return True
+
+
+CRON_INTERVALS = {"@hourly": 3600, "@daily": 86400, "@midnight": 86400, "@weekly": 7 * 86400,
+                  "@monthly": 28 * 86400, "@yearly": 365 * 86400, "@annually": 365 * 86400}
+CRON_DAYS_CHECKED = 731  # two years from 2024-01-01 (a leap year): every calendar gap occurs
+
+
+def cron_min_interval(schedule: str) -> int | None:
+    """The shortest time in seconds between two runs of ``schedule`` (robfig/cron semantics: day of
+    month OR day of week when both are restricted); None if it does not parse or runs at most once
+    in the two years checked."""
+    text = re.sub(r"^(CRON_TZ|TZ)=\S+\s+", "", schedule.strip())
+    if text in CRON_INTERVALS:
+        return CRON_INTERVALS[text]
+    if text.startswith("@every "):
+        parts = re.fullmatch(r"((\d+)h)?((\d+)m)?((\d+)s)?", text[len("@every "):].strip())
+        seconds = parts and sum(int(parts.group(g) or 0) * k for g, k in ((2, 3600), (4, 60), (6, 1)))
+        return seconds or None
+    if cron_errors(text):
+        return None
+    fields = text.split()
+    minutes, hours, doms, months, dows = (_cron_values(f, lo, hi, names)
+                                          for f, (lo, hi, names) in zip(fields, CRON_FIELDS, strict=True))
+    dows = {d % 7 for d in dows}  # 7 is Sunday too
+    either = fields[2] not in ("*", "?") and fields[4] not in ("*", "?")  # else both must match
+
+    def runs_on(day: datetime.date) -> bool:
+        dom, dow = day.day in doms, (day.weekday() + 1) % 7 in dows  # cron: Sunday is 0
+        return day.month in months and ((dom or dow) if either else (dom and dow))
+
+    start = datetime.date(2024, 1, 1)
+    days = [d for d in (start + datetime.timedelta(n) for n in range(CRON_DAYS_CHECKED)) if runs_on(d)]
+    times = sorted(h * 60 + m for h in hours for m in minutes)  # minutes of the day
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    gaps += [(b - a).days * 1440 + times[0] - times[-1] for a, b in itertools.pairwise(days)]
+    return 60 * min(gaps) if gaps else None
+
+
+def _cron_values(field_text: str, lo: int, hi: int, names: dict[str, int]) -> set[int]:
+    """The values a valid cron field selects (``a/s`` is ``a-hi/s``, as in robfig/cron)."""
+    values = set()
+    for part in field_text.split(","):
+        body, _, step = part.partition("/")
+        if body in ("*", "?"):
+            first, last = lo, hi
+        else:
+            ends = [names.get(x.upper(), int(x) if x.isdigit() else -1) for x in body.split("-")]
+            first, last = ends[0], ends[-1] if len(ends) > 1 or not step else hi
+        values.update(range(first, last + 1, int(step or 1)))
+    return values
 
 
 # ----------------------------------------------------------------------------- pod templates
@@ -834,6 +889,64 @@ def secret_errors(objs: list[dict], text: str) -> list[str]:
     return errors + [f"credential-like text: {m.group(0)[:12]}..." for m in CREDENTIAL_VALUE.finditer(text)]
 
 
+# ----------------------------------------------------------------------------- scheduled runs
+
+
+def schedule_errors(objs: list[dict]) -> list[str]:
+    """One writer per index: scheduled runs never overlap. A CronJob skips a slot while its last Job
+    runs (concurrencyPolicy Forbid) and has a startingDeadlineSeconds; when its pod creates RayJobs
+    (and ends), Forbid does not cover them, so the pod is never retried (backoffLimit 0: a retry after
+    a create whose answer was lost starts a second run) and each RayJob it creates, like a
+    RayCronJob's (no concurrency policy at all), stops (activeDeadlineSeconds) before the next slot."""
+    errors = []
+    for obj in objs:
+        kind, where, spec = obj.get("kind"), describe(obj), obj.get("spec", {})
+        if kind == "CronJob":
+            errors += _cronjob_errors(where, spec)
+            runs = [(describe(j), j.get("spec", {})) for j in created_rayjobs(obj, objs)]
+            if runs and spec.get("jobTemplate", {}).get("spec", {}).get("backoffLimit") != 0:
+                errors.append(f"{where}: its pod creates RayJobs, so jobTemplate.spec.backoffLimit must be 0 "
+                              f"(a retried pod can start a second run)")
+        elif kind == "RayCronJob":
+            runs = [(where, spec.get("jobTemplate") or {})]
+        else:
+            continue
+        schedule = spec.get("schedule", "")
+        errors += [e for run_where, run in runs for e in _overlap_errors(run_where, run, schedule)]
+    return errors
+
+
+def created_rayjobs(cronjob: dict, objs: list[dict]) -> list[dict]:
+    """The RayJobs a CronJob's pod creates: those stored in the ConfigMaps it mounts."""
+    ns = cronjob["metadata"].get("namespace")
+    mounted = {v["configMap"]["name"] for t in pod_templates(cronjob) for v in t.spec.get("volumes", [])
+               if "configMap" in v}
+    maps = [o for o in objs if o.get("kind") == "ConfigMap" and o["metadata"].get("name") in mounted
+            and o["metadata"].get("namespace") == ns]
+    return [o for o in embedded_objects(maps) if o.get("kind") == "RayJob"]
+
+
+def _cronjob_errors(where: str, spec: dict) -> list[str]:
+    errors = []
+    if spec.get("concurrencyPolicy") != "Forbid":
+        errors.append(f"{where}: concurrencyPolicy must be Forbid (one run at a time), "
+                      f"got {spec.get('concurrencyPolicy', 'Allow (the default)')!r}")
+    if not spec.get("startingDeadlineSeconds"):
+        errors.append(f"{where}: no startingDeadlineSeconds (after 100 missed slots a CronJob stops "
+                      f"scheduling; a late run should be skipped, not started whenever)")
+    return errors
+
+
+def _overlap_errors(where: str, run: dict, schedule: str) -> list[str]:
+    deadline, interval = run.get("activeDeadlineSeconds"), cron_min_interval(schedule)
+    if not deadline:
+        return [f"{where}: a scheduled RayJob needs activeDeadlineSeconds (a hung run overlaps the next)"]
+    if interval is not None and deadline >= interval:
+        return [f"{where}: activeDeadlineSeconds {deadline} is not shorter than the {interval} s between "
+                f"runs of {schedule!r}: two runs could write one index at once"]
+    return []
+
+
 # ----------------------------------------------------------------------------- entry points
 
 
@@ -872,7 +985,7 @@ def check_objects(objs: list[dict], text: str = "") -> list[str]:
         errors += schema_errors(obj) + kuberay_errors(obj)
         for template in pod_templates(obj):
             errors += pod_policy_errors(template)
-    errors += exposure_errors(everything) + reference_errors(everything)
+    errors += exposure_errors(everything) + reference_errors(everything) + schedule_errors(everything)
     return errors + secret_errors(everything, text or yaml.safe_dump_all(everything))
 
 

@@ -211,6 +211,8 @@ def test_a_new_model_builds_its_version_for_every_live_catalogue_then_goes_live(
         assert str(b) not in manifest.catalogues and manifest.total == 6 and manifest.removed == 0
     assert job.main(["rollback", f"index.uri={location}"]) == 0
     assert read_alias(location).live == old and ShardedIndex.open(location, use_gpu=False).live_total == 6
+    again = embed_catalogues(cfg_for(tmp_path, other), [str(a)])  # a scheduled run with the newer model
+    assert [r.promoted for r in again] == [""] and read_alias(location).live == old  # the rollback holds
     assert job.main(["versions", f"index.uri={location}"]) == 0
     out = capsys.readouterr().out
     assert f"{old}" in out and "live" in out and "previous" in out

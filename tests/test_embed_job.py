@@ -29,6 +29,7 @@ from puma.data.prepare import prepare
 from puma.data.rejects import read_rejects
 from puma.data.sources import SourceSpec
 from puma.index import ShardedIndex, read_manifest, verify
+from puma.index.build import live_table
 from puma.index.table import read_table
 from puma.index.versions import read_alias, resolve, version_name
 from puma.inference import embed_catalogue, watch
@@ -84,6 +85,12 @@ def embed_cfg(root: Path, checkpoint: str, *overrides: str):
 def stored(index_uri: str) -> pa.Table:
     """Every committed embeddings row of the index (its live version)."""
     return read_table(storage.join(resolve(index_uri), "shards"))
+
+
+def stored_live(index_uri: str) -> dict[str, dict]:
+    """The live rows of the index's live version by item id (embeddings left out)."""
+    table = live_table(resolve(index_uri)).drop_columns(["embedding"])
+    return {r["item_id"]: r for r in table.to_pylist()}
 
 
 def live_dir(index: Path) -> Path:
@@ -325,6 +332,20 @@ def test_s3_catalogue_and_index(ray_cluster, checkpoint, tmp_path, s3_server, s3
     assert table["image_uri"][0].as_py().startswith(catalogue)
     again = watch(cfg, f"{s3_storage}/catalogues/")  # the s3:// prefix: one catalogue, nothing new
     assert [(r.catalogue, r.embedded, r.skipped_indexed, r.error) for r in again] == [(catalogue, 0, 10, "")]
+    photo = sorted(FLOWERS.glob("*/*.jpg"))[500]
+    storage.write_bytes(f"{catalogue}/gen/000.png", photo.read_bytes())  # replaced by a photo
+    storage.delete(f"{catalogue}/gen/001.png")
+    changed = embed_catalogue(cfg, catalogue)  # the listing's size and time say which object changed
+    assert (changed.embedded, changed.changed, changed.removed, changed.read_to_compare) == (1, 1, 1, 1)
+    assert changed.total == 9 and "s3cat/gen/001.png" not in stored_live(index)
+    table = f"{s3_storage}/catalogues/shop.csv"  # a table on S3: relative and s3:// image locations
+    storage.write_text(table, "item_id,image_uri,label,colour\n"
+                              f"p1,s3cat/gen/002.png,a,red\np2,{catalogue}/gen/003.png,b,blue\n")
+    shop = embed_catalogue(cfg, table)
+    assert (shop.embedded, shop.total) == (2, 11)
+    rows = {r["item_id"]: r for r in stored_live(index).values()}
+    assert rows["p1"]["image_uri"] == f"{s3_storage}/catalogues/s3cat/gen/002.png"
+    assert rows["p2"]["metadata"] == '{"colour": "blue"}' and rows["p2"]["class_name"] == "b"
 
 
 def test_help_and_bad_config(capsys, tmp_path):

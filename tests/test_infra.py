@@ -109,6 +109,86 @@ def test_the_two_scheduling_variants_run_the_same_rayjob():
                                                                     plain["spec"]["timeZone"])
 
 
+def _scheduled_embedding(objs: list[dict]) -> tuple[dict, dict]:
+    """(the overlay's scheduler, the spec of the RayJob each of its runs is)."""
+    scheduler = next(o for o in objs if o["kind"] in ("RayCronJob", "CronJob"))
+    if scheduler["kind"] == "RayCronJob":
+        return scheduler, scheduler["spec"]["jobTemplate"]
+    created = check.created_rayjobs(scheduler, objs)
+    assert len(created) == 1, [check.describe(j) for j in created]
+    return scheduler, created[0]["spec"]
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_scheduled_embedding_reconciles_its_catalogues_one_run_at_a_time(overlay):
+    """Each run is `jobs/embed.py --watch PREFIX` (or --catalogue URI) into index.uri, and the index
+    has one writer: the plain CronJob forbids concurrent runs and never retries its creator pod,
+    and every run (RayCronJob has no concurrency policy) stops before the next one is due."""
+    objs = objects(overlay)
+    scheduler, run = _scheduled_embedding(objs)
+    argv = shlex.split(run["entrypoint"])
+    assert argv[1] == "/home/ray/app/jobs/embed.py"
+    assert argv[2] in ("--watch", "--catalogue") and argv[3].startswith("s3://")
+    assert any(a.startswith("index.uri=s3://") for a in argv)
+    spec = scheduler["spec"]
+    if scheduler["kind"] == "CronJob":
+        assert spec["concurrencyPolicy"] == "Forbid"
+        assert 0 < spec["startingDeadlineSeconds"] <= 6 * 3600
+        assert spec["jobTemplate"]["spec"]["backoffLimit"] == 0
+    assert 0 < run["activeDeadlineSeconds"] < check.cron_min_interval(spec["schedule"])
+    assert check.schedule_errors(objs) == []
+
+
+def _job_config(argv: list[str]):
+    """The config a job's command line resolves to (--config FILE and key=value overrides)."""
+    from puma.config import load_config
+
+    config = check.repo_path(argv[argv.index("--config") + 1]) if "--config" in argv else None
+    return load_config(config, [a for a in argv if "=" in a and not a.startswith("-")])
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_scheduled_embedding_follows_the_trained_model_into_the_served_index(overlay):
+    """The nightly run embeds with the training run's best checkpoint (a new best rolls out a new
+    version) into the index the search service serves; the service names the run, not a pinned
+    embed.checkpoint, so a restart before the new version is live falls back to the live model."""
+    from puma.checkpoint import best_checkpoint_uri
+
+    objs = objects(overlay)
+    embed = _job_config(shlex.split(_scheduled_embedding(objs)[1]["entrypoint"]))
+    train = _job_config(shlex.split(find(objs, "RayJob", "puma-train")["spec"]["entrypoint"]))
+    (_, app), = check.serve_applications(objs)
+    serve = _job_config(["--config", app["args"]["config"]] +
+                        [f"{k}={v}" for k, v in app["args"].items() if k != "config"])
+    assert best_checkpoint_uri(embed) == best_checkpoint_uri(train) == best_checkpoint_uri(serve)
+    assert embed.embed.checkpoint == serve.embed.checkpoint == ""
+    assert embed.index.uri == serve.index.uri
+
+
+SCHEDULE_BREAKS = {
+    "concurrent CronJob runs": ("prod", "CronJob", "spec.concurrencyPolicy", "Allow",
+                                "concurrencyPolicy must be Forbid"),
+    "no starting deadline": ("prod", "CronJob", "spec.startingDeadlineSeconds", 0, "startingDeadlineSeconds"),
+    "creator pod retried": ("prod", "CronJob", "spec.jobTemplate.spec.backoffLimit", 2,
+                            "backoffLimit must be 0"),
+    "CronJob due before its RayJob stops": ("prod", "CronJob", "spec.schedule", "0 */6 * * *",
+                                            "not shorter than the 21600 s"),
+    "RayCronJob due before its run stops": ("dev", "RayCronJob", "spec.schedule", "@hourly",
+                                            "not shorter than the 3600 s"),
+    "RayCronJob run without a deadline": ("dev", "RayCronJob", "spec.jobTemplate.activeDeadlineSeconds", 0,
+                                          "needs activeDeadlineSeconds"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEDULE_BREAKS))
+def test_schedule_check_rejects_runs_that_can_overlap(case):
+    overlay, kind, path, value, expected = SCHEDULE_BREAKS[case]
+    objs = objects(overlay)
+    _set(find(objs, kind), path, value)
+    errors = check.schedule_errors(objs)
+    assert any(expected in e for e in errors), errors
+
+
 # ----------------------------------------------------------------------------- schemas
 
 
@@ -198,6 +278,15 @@ def test_operator_rules_reject_what_kuberay_refuses(case):
                                          ("0 6-2 * * *", False)])
 def test_cron_schedule_parsing(schedule, ok):
     assert (check.cron_errors(schedule) == []) is ok
+
+
+@pytest.mark.parametrize("schedule,seconds", [
+    ("0 2 * * *", 86400), ("TZ=UTC 0 2 * * *", 86400), ("*/15 * * * *", 900), ("5/20 * * * *", 1200),
+    ("0 2,14 * * *", 43200), ("30 23 * * MON-FRI", 86400), ("0 2 * * 1", 7 * 86400), ("0 0 * * 7", 7 * 86400),
+    ("0 2 1 * *", 28 * 86400), ("0 0 31 * *", 31 * 86400), ("0 0 1,15 * MON", 86400),  # day OR weekday
+    ("@hourly", 3600), ("@every 1h30m", 5400), ("0 0 29 2 *", None), ("0 2 * *", None)])
+def test_cron_min_interval_is_the_shortest_gap_between_runs(schedule, seconds):
+    assert check.cron_min_interval(schedule) == seconds
 
 
 @pytest.mark.parametrize("overlay", ["dev", "prod"])
@@ -555,6 +644,7 @@ def test_the_search_service_runs_the_app_builder_with_a_config_that_resolves():
     plus dotted keys) resolve into a valid config, in both overlays."""
     import importlib
 
+    from puma.checkpoint import best_checkpoint_uri
     from puma.config import load_config
 
     apps = [(f"{overlay}:{where}", app) for overlay in sorted(OVERLAYS)
@@ -568,7 +658,8 @@ def test_the_search_service_runs_the_app_builder_with_a_config_that_resolves():
         config = check.repo_path(args.pop("config"))
         assert config is not None and config.is_file(), where
         cfg = load_config(config, [f"{key}={value}" for key, value in args.items()])
-        assert cfg.index.uri.startswith("s3://") and cfg.embed.checkpoint.startswith("s3://"), where
+        checkpoint = cfg.embed.checkpoint or best_checkpoint_uri(cfg)
+        assert cfg.index.uri.startswith("s3://") and checkpoint.startswith("s3://"), where
         assert cfg.serve.token_env == "PUMA_SERVE_TOKEN"
 
 

@@ -320,7 +320,8 @@ def clean_orphans(uri: str, manifest: Manifest | None = None) -> list[str]:
     manifest = manifest or read_manifest(uri)
     orphans = orphan_shards(uri, manifest) + orphan_files(uri, manifest)
     for orphan in orphans:
-        log.warning("removing unfinished shard %s (not in the manifest)", orphan)
+        log.info("removing %s: not in the manifest (an unfinished write, a compacted shard or a superseded "
+                 "removed-ids file)", orphan)
         storage.delete(orphan)
     return orphans
 

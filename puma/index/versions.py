@@ -11,7 +11,9 @@ Readers (search, evaluation, the report, the service) resolve the location to th
 version is built beside the live one and goes live by ``promote``: the new version must hold every
 catalogue the live one holds and pass ``verify``; then ``alias.json`` is rewritten in one write
 (an atomic rename locally, one PUT on S3), so a reader sees the old alias or the new one, never a
-mix. ``rollback`` makes the previous version live again the same way. ``retain`` deletes versions
+mix. ``rollback`` makes the previous version live again the same way and holds the version it
+left: the embedding job no longer makes a held version live by itself (only an explicit promote
+does), so a scheduled run with the newer checkpoint does not undo the rollback. ``retain`` deletes versions
 beyond the newest ``index.keep_versions`` (never the live or the previous one).
 
 A location written before versions existed (``manifest.json`` at its root) is still read as one
@@ -43,6 +45,7 @@ class Alias:
     live: str
     previous: str = ""
     history: list[dict] = field(default_factory=list)  # {"at", "action", "version", "model_id"}, oldest first
+    held: list[str] = field(default_factory=list)  # versions rolled back from: only an explicit promote
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -164,7 +167,8 @@ def promote(location: str, version: str, keep: int = 0) -> Alias:
         return alias
     manifest = read_manifest(uri)
     new = Alias(live=version, previous=alias.live if alias else "",
-                history=_history(alias, "promote", version, manifest.model_id))
+                history=_history(alias, "promote", version, manifest.model_id),
+                held=[v for v in (alias.held if alias else []) if v != version])
     fault_point("versions.promote")
     storage.write_text(alias_uri(location), new.to_json())
     log.info("index %s: version %s (model %s) is live", location, version, manifest.model_id)
@@ -184,7 +188,8 @@ def rollback(location: str) -> Alias:
                               f"(index.keep_versions); promote another with jobs/index.py promote")
     verify(uri).raise_if_bad()
     new = Alias(live=alias.previous, previous=alias.live,
-                history=_history(alias, "rollback", alias.previous, read_manifest(uri).model_id))
+                history=_history(alias, "rollback", alias.previous, read_manifest(uri).model_id),
+                held=sorted({*alias.held, alias.live} - {alias.previous}))
     fault_point("versions.promote")
     storage.write_text(alias_uri(location), new.to_json())
     log.info("index %s: rolled back to version %s", location, alias.previous)

@@ -129,9 +129,12 @@ class EmbedReport:
         version = f" [version {self.version}]" if self.version else ""
         return (f"{self.catalogue}: embedded {self.embedded}, already indexed {self.skipped_indexed}; "
                 f"added {self.added}, changed {self.changed}, removed {self.removed}, "
-                f"restamped {self.restamped}; rejected {self.rejected} {self.reject_reasons or ''}, "
+                f"restamped {self.restamped}; rejected {self.rejected}{self._reasons()}, "
                 f"{len(self.shards_added)} shard(s) added, {len(self.compacted)} compacted, "
                 f"index total {self.total}{version} ({self.seconds:.1f} s)")
+
+    def _reasons(self) -> str:
+        return f" {self.reject_reasons}" if self.reject_reasons else ""
 
     def record(self) -> dict:
         """What the manifest keeps of this run."""
@@ -220,6 +223,10 @@ def settle_version(cfg: Config, location: str, version: str) -> str:
         return ""
     uri = version_uri(location, version)
     if not has_manifest(uri):
+        return ""
+    if alias is not None and version in alias.held:
+        log.warning("version %s of %s was rolled back from: it stays held until "
+                    "`python jobs/index.py promote --version %s`", version, location, version)
         return ""
     if alias is not None and cfg.index.promote != "auto":
         log.warning("version %s of %s is built; make it live with "
