@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from tiny import make_checkpoint, reference_embeddings
 
@@ -178,6 +180,14 @@ def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_c
     assert (hit["item_id"], hit["metadata"]) == (keep[20]["item_id"], {"price": "12.5"})
     assert hit["class_name"] == "iris"
     assert hit["label"] == sorted(CLASSES).index("iris")
+    out = tmp_path / "hits.parquet"
+    argv = ["--item-id", keep[20]["item_id"], "--k", "3", "--include-self", "--out", str(out),
+            f"index.uri={location}"]
+    assert load_job("search").main(argv) == 0
+    results = pq.read_table(out).to_pylist()
+    assert results[0]["item_id"] == keep[20]["item_id"]
+    assert json.loads(results[0]["metadata"]) == {"price": "12.5"}
+    assert {r["class_name"] for r in results} <= set(CLASSES) and all(r["dataset"] == "shop" for r in results)
 
 
 @pytest.mark.budget(180)  # two catalogues embedded by two models, then a removal and a rollback

@@ -171,6 +171,8 @@ def read_rows(uri: str, rows: np.ndarray, columns: list[str], missing_ok: bool =
             return pf.read_row_groups([int(g) for g in groups], columns=present), sizes
 
     part, sizes = storage.call("reading", uri, _read)
+    if not part.num_columns:  # none of the columns is stored: nulls, one per wanted row
+        return pa.table({name: pa.nulls(len(rows)) for name in columns})
     wanted = columns
     starts, group_of = _group_of(sizes, rows)
     groups = np.unique(group_of)

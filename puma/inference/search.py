@@ -27,11 +27,13 @@ from puma.index.manifest import Manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import ShardedIndex
 from puma.index.table import (
+    CLASS_NAME,
     DATASET,
     IMAGE_ROW,
     IMAGE_URI,
     ITEM_ID,
     LABEL,
+    METADATA,
     NO_LABEL,
     check_table,
     embedding_matrix,
@@ -68,12 +70,29 @@ def load_queries(uri: str) -> tuple[list[str], np.ndarray]:
     return [str(s) for s in table[ITEM_ID].to_pylist()], embedding_matrix(table)
 
 
-def results_table(queries: list[str], scores: np.ndarray, item_ids: np.ndarray) -> pa.Table:
-    """One row per (query, rank) from (Q, k) scores and item ids."""
+HIT_COLUMNS = [DATASET, LABEL, CLASS_NAME, METADATA]  # what each result row carries beside its item id
+
+
+def results_table(queries: list[str], scores: np.ndarray, item_ids: np.ndarray,
+                  index: ShardedIndex | None = None) -> pa.Table:
+    """One row per (query, rank) from (Q, k) scores and item ids; with ``index``, each hit's dataset,
+    label, class name and metadata (a catalogue table's other columns, JSON) too."""
     q, k = scores.shape
-    return pa.table({"query": np.repeat(np.array(queries, dtype=object), k),
-                     "rank": np.tile(np.arange(1, k + 1, dtype=np.int32), q),
-                     "item_id": item_ids.ravel(), "score": scores.ravel().astype(np.float32)})
+    table = pa.table({"query": np.repeat(np.array(queries, dtype=object), k),
+                      "rank": np.tile(np.arange(1, k + 1, dtype=np.int32), q),
+                      "item_id": item_ids.ravel(), "score": scores.ravel().astype(np.float32)})
+    if index is None:
+        return table
+    flat = [str(i) for i in item_ids.ravel()]
+    found = [i for i, name in enumerate(flat) if name]
+    described = index.rows(index.lookup([flat[i] for i in found]), HIT_COLUMNS)
+    for name in HIT_COLUMNS:
+        values = [None] * len(flat)
+        for i, value in zip(found, described[name].to_pylist(), strict=True):
+            values[i] = value
+        table = table.append_column(name, pa.array(values, described.schema.field(name).type
+                                                   if len(described) else pa.string()))
+    return table
 
 
 def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[str] | None = None,
@@ -94,7 +113,7 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
         if image_uris:
             check_query_model(index, checkpoint, vectors.shape[1])
         scores, found = index.search(vectors, k)
-    table = results_table(names, scores, found)
+    table = results_table(names, scores, found, index)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_uri = out_uri or storage.join("artifacts", "search", f"search-{stamp}.parquet")
     storage.write_bytes(out_uri, to_parquet_bytes(table))
@@ -102,7 +121,7 @@ def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[s
         queries = (indexed_items(index, names) if item_ids
                    else [GridItem(name, name if image_uris else "") for name in names])
         write_grid(grid_uri, retrieval_grid(queries, result_items(index, scores, found)))
-    return SearchOutcome(out_uri, table, index.ntotal, len(index.manifest.shards), grid_uri, k,
+    return SearchOutcome(out_uri, table, index.live_total, len(index.manifest.shards), grid_uri, k,
                          k_limit if k < asked else "")
 
 
@@ -110,12 +129,12 @@ def fit_k(index: ShardedIndex, k: int, exclude_self: bool) -> tuple[int, str]:
     """(k to search, why it is less than asked): k larger than what the index can return returns all."""
     if k < 1:
         raise IndexInputError(f"--k must be at least 1, got {k}")
-    gpu_limited = index.max_k() < index.ntotal
+    gpu_limited = index.max_k() < index.live_total
     most = index.max_k() - int(exclude_self)
     if most < 1:
-        raise IndexInputError(f"index {index.uri} holds {index.ntotal} item(s): no other item to return")
+        raise IndexInputError(f"index {index.uri} holds {index.live_total} item(s): no other item to return")
     why = (f"FAISS on GPU returns at most {index.max_k()} neighbours (index.use_gpu=false searches all)"
-           if gpu_limited else f"the index holds {index.ntotal} items"
+           if gpu_limited else f"the index holds {index.live_total} items"
            + (", the query item left out" if exclude_self else ""))
     return min(k, most), why
 
