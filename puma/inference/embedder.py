@@ -130,7 +130,8 @@ class Embedder:
         from puma.checkpoint import load_model
 
         use_storage(storage_cfg)
-        torch.set_num_threads(max(1, threads))
+        if threads > 0:  # 0: leave torch's threads as they are (the job's own process)
+            torch.set_num_threads(threads)
         model, cfg = load_model(checkpoint, backbone_weights or None)  # eval mode, probe verified
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)

@@ -52,7 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from puma import console, storage
-from puma.checkpoint import best_checkpoint_uri, checkpoint_id, load_model, read_checkpoint
+from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
 from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data import schema
@@ -85,7 +85,7 @@ from puma.inference.catalogue import (
     list_catalogues,
     without,
 )
-from puma.inference.embedder import Embedder, read_and_decode, to_table
+from puma.inference.embedder import Embedder, decode_refs, read_and_decode, to_table
 from puma.inference.reconcile import Plan, live_items, plan, restamped_rows
 
 log = logging.getLogger(__name__)
@@ -299,6 +299,7 @@ class _Run:
     dim: int
     report: EmbedReport
     plan: Plan | None = None
+    embedder: Embedder | None = None  # the model loaded on the driver (_check_model)
 
 
 def _prepare_run(cfg: Config, catalogue: str, location: str, checkpoint: str) -> _Run:
@@ -320,8 +321,11 @@ def _prepare_run(cfg: Config, catalogue: str, location: str, checkpoint: str) ->
 def _check_model(run: _Run) -> None:
     """Load the checkpoint once on the driver with the backbone the actors will use: a model that does
     not reproduce its probe embeddings (another backbone, an edited file) is refused here in one line
-    (a CheckpointError), not inside every actor's constructor, where Ray keeps only its text."""
-    load_model(run.checkpoint, backbone_weights=run.cfg.embed.backbone_weights or None)
+    (a CheckpointError), not inside every actor's constructor, where Ray keeps only its text. The
+    loaded model is kept: a small change is embedded with it here (see _embed_here)."""
+    cfg = run.cfg
+    run.embedder = Embedder(run.checkpoint, cfg.embed.backbone_weights, storage.current_config(),
+                            use_gpu=cfg.embed.use_gpu, threads=0)
 
 
 def _reconcile(run: _Run, split: str) -> None:
@@ -391,7 +395,13 @@ def _list_prepare_rejects(run: _Run, split: str) -> None:
 
 
 def _embed_todo(run: _Run, todo: pa.Table) -> None:
-    """Train the index if it is new, then stream the rest in commits of embed.commit_rows."""
+    """Train the index if it is new, then stream the rest in commits of embed.commit_rows. Up to
+    embed.local_max_items images for an existing index are embedded in this process (no pipeline
+    to start: a nightly run with a few changes takes seconds, not the actors' start-up)."""
+    if len(todo) <= run.cfg.embed.local_max_items and has_manifest(run.index_uri):
+        with console.progress(f"embedding {catalogue_name(run.catalogue)}", len(todo), "img") as bar:
+            _commit_stream(run, _counted(_embed_here(run, todo), bar))
+        return
     import ray
 
     from puma.runtime import init_ray
@@ -406,6 +416,16 @@ def _embed_todo(run: _Run, todo: pa.Table) -> None:
                 _commit_stream(run, _counted(_stream(run, todo, reject_log), bar))
     finally:
         ray.kill(reject_log)  # every decode task has recorded its rejects (ray.get) before returning
+
+
+def _embed_here(run: _Run, todo: pa.Table) -> Iterator[dict[str, np.ndarray]]:
+    """Read, decode and embed ``todo`` in this process with the model _check_model loaded, in
+    batches of embed.batch_size; rejects go to the catalogue's rejects file as the pipeline's do."""
+    size = run.cfg.embed.batch_size
+    for start in range(0, len(todo), size):
+        batch, rejects = decode_refs(todo.slice(start, size), run.view)
+        _add_rejects(run, rejects)
+        yield run.embedder(batch)
 
 
 def _counted(batches: Iterator, bar: console.Progress) -> Iterator:
@@ -456,7 +476,7 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
         num_gpus=cfg.embed.num_gpus if use_gpu else None, resources=cfg.embed.actor_resources or None,
         fn_constructor_kwargs={"checkpoint": run.checkpoint, "backbone_weights": cfg.embed.backbone_weights,
                                "storage_cfg": storage.current_config(), "use_gpu": use_gpu,
-                               "threads": int(cfg.embed.num_cpus)})
+                               "threads": max(1, int(cfg.embed.num_cpus))})
     log.info("embedding %d item(s) on %d %s actor(s)", len(refs), cfg.embed.concurrency,
              "GPU" if use_gpu else "CPU")
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
