@@ -14,6 +14,7 @@ from ray.train.torch import TorchTrainer
 from puma import console, storage
 from puma.checkpoint import BEST_DIR, has_checkpoint, read_meta
 from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
+from puma.errors import UserError
 from puma.methods import METHODS, check_config, get_method
 from puma.train.data_init import needs_data_init
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
@@ -195,8 +196,31 @@ def check_inputs(cfg: Config) -> Config:
     check_config(cfg)
     storage.configure(cfg.storage)
     check_weights_file(cfg.model.backbone.weights)
-    build_model(cfg.model)  # a few seconds for a ViT-S on CPU; the model itself is not kept
+    model = build_model(cfg.model)  # a few seconds for a ViT-S on CPU; the model itself is not kept
+    check_worker_build(cfg, model)
     return cfg
+
+
+CHECK_CLASSES = 2  # the classes the driver's check builds a loss for (the data's count is not known yet)
+
+
+def check_worker_build(cfg: Config, model) -> None:
+    """Build on the driver what every worker builds from the config besides the model: the method's
+    train module with its loss, the optimiser over the trainable groups and its schedule. A config
+    they refuse (e.g. loss.xbm_memory_size with a proxy loss) fails here as a ConfigError, one line,
+    instead of as a traceback in every worker."""
+    from puma.methods import build_method_training
+    from puma.models.trainable import trainable_parameter_groups
+    from puma.optim import build_optimizer, build_scheduler
+
+    try:
+        method = build_method_training(cfg, model, CHECK_CLASSES)
+        optimizer = build_optimizer(trainable_parameter_groups(model), method.module.loss, cfg.optim)
+        build_scheduler(optimizer, cfg.optim)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, UserError):
+            raise
+        raise ConfigError(str(exc).splitlines()[0]) from exc
 
 
 def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
