@@ -163,7 +163,6 @@ def run_writer(tmp_path: Path, op: str, uri: str, arg: dict, fault: str = "") ->
     return proc.returncode
 
 
-@pytest.mark.budget(120)  # nine child processes, each importing faiss (3-6 s each on 2 cores)
 def test_kill_mid_commit_leaves_the_old_state_and_the_rerun_converges(tmp_path: Path) -> None:
     uri = str(tmp_path / "index")
     names = [f"c/{i:02d}" for i in range(20)]
@@ -182,7 +181,6 @@ def test_kill_mid_commit_leaves_the_old_state_and_the_rerun_converges(tmp_path: 
         assert report.ok and not report.orphans and live_ids(uri) == expected, f"round {round_}"
 
 
-@pytest.mark.budget(120)
 def test_kill_mid_compaction_leaves_the_old_state_and_the_rerun_converges(tmp_path: Path) -> None:
     uri = str(tmp_path / "index")
     names = [f"c/{i:02d}" for i in range(40)]
@@ -214,7 +212,6 @@ def _live_names_of(uri: str, shard_name: str) -> list[str]:
     return [n for n in names if n in live]
 
 
-@pytest.mark.budget(120)
 def test_kill_mid_promotion_keeps_the_old_alias_and_the_rerun_converges(tmp_path: Path) -> None:
     location = str(tmp_path / "loc")
     names = [f"c/{i:02d}" for i in range(12)]

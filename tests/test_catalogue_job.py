@@ -81,7 +81,6 @@ def assert_index_is_the_catalogue(location: str, expected_ids: set[str], checkpo
     assert not removed & {str(i) for i in found.ravel()}
 
 
-@pytest.mark.budget(150)  # three reconciling runs (Ray Data) and the model forward of 50 photos in process
 def test_a_folder_catalogue_is_reconciled_run_after_run(ray_cluster, checkpoint, tmp_path):
     shop = tmp_path / "shop"
     for cls in CLASSES:
@@ -130,7 +129,6 @@ def write_table(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-@pytest.mark.budget(150)
 def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_cluster, checkpoint, tmp_path):
     images = tmp_path / "images"
     images.mkdir()
@@ -190,7 +188,6 @@ def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_c
     assert {r["class_name"] for r in results} <= set(CLASSES) and all(r["dataset"] == "shop" for r in results)
 
 
-@pytest.mark.budget(180)  # two catalogues embedded by two models, then a removal and a rollback
 def test_a_new_model_builds_its_version_for_every_live_catalogue_then_goes_live(ray_cluster, checkpoint,
                                                                               tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
