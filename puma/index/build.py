@@ -37,6 +37,7 @@ from puma.index.manifest import (
     Manifest,
     ShardEntry,
     has_manifest,
+    live_rows,
     now,
     orphan_files,
     orphan_shards,
@@ -270,9 +271,7 @@ def live_table(uri: str) -> pa.Table:
 def _live_rows(uri: str, shard: ShardEntry) -> pa.Table:
     """A shard's stored rows less its removed ones, without index_id (ready to be written again)."""
     table = read_table(storage.join(uri, *shard.embeddings.path.split("/")))
-    keep = np.ones(len(table), dtype=bool)
-    keep[removed_ids(uri, shard) - shard.id_start] = False
-    return table.filter(pa.array(keep)).drop_columns([INDEX_ID])
+    return table.filter(pa.array(live_rows(uri, shard))).drop_columns([INDEX_ID])
 
 
 def _state_key(manifest: Manifest) -> tuple:
@@ -309,9 +308,7 @@ def _live_column(uri: str, shard: ShardEntry, column: str) -> pa.ChunkedArray:
     col = read_columns(storage.join(uri, *shard.embeddings.path.split("/")), [column])[column]
     if not shard.removed_count:
         return col
-    keep = np.ones(len(col), dtype=bool)
-    keep[removed_ids(uri, shard) - shard.id_start] = False
-    return col.filter(pa.array(keep))
+    return col.filter(pa.array(live_rows(uri, shard)))
 
 
 def clean_orphans(uri: str, manifest: Manifest | None = None) -> list[str]:

@@ -216,6 +216,13 @@ def removed_ids(uri: str, entry: ShardEntry) -> np.ndarray:
     return ids
 
 
+def live_rows(uri: str, entry: ShardEntry) -> np.ndarray:
+    """Bool (count,): True for the shard's rows that are not removed."""
+    keep = np.ones(entry.count, dtype=bool)
+    keep[removed_ids(uri, entry) - entry.id_start] = False
+    return keep
+
+
 def file_sha256(uri: str) -> str:
     """sha256 of a stored file, streamed."""
     digest = hashlib.sha256()

@@ -31,6 +31,7 @@ from puma.index.manifest import (
     IndexIntegrityError,
     Manifest,
     ShardEntry,
+    live_rows,
     read_checked,
     read_manifest,
     removed_ids,
@@ -331,9 +332,7 @@ def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool) -> L
     removed = removed_ids(uri, entry)  # (R,) global ids
     if len(removed):
         cpu_index.remove_ids(removed)
-        dead = np.zeros(entry.count, dtype=bool)
-        dead[removed - entry.id_start] = True
-        item_ids = pc.if_else(pa.array(dead), pa.nulls(entry.count, item_ids.type), item_ids)
+        item_ids = pc.if_else(pa.array(live_rows(uri, entry)), item_ids, pa.nulls(entry.count, item_ids.type))
     index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
     return LoadedShard(entry, index, cpu_index if keep_cpu or not on_gpu else None, item_ids, on_gpu)
 

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from puma import storage
 from puma.data.rejects import Reject
-from puma.index.manifest import Manifest, ShardEntry, removed_ids
+from puma.index.manifest import Manifest, ShardEntry, live_rows
 from puma.index.table import (
     CATALOGUE,
     CLASS_NAME,
@@ -87,9 +87,7 @@ def _live(uri: str, shard: ShardEntry) -> pa.Table:
         table = table.set_column(table.schema.get_field_index(c), c, table[c].cast(pa.string()))
     if not shard.removed_count:
         return table
-    keep = np.ones(len(table), dtype=bool)
-    keep[removed_ids(uri, shard) - shard.id_start] = False
-    return table.filter(pa.array(keep))
+    return table.filter(pa.array(live_rows(uri, shard)))
 
 
 def plan(refs: pa.Table, catalogue: str, live: pa.Table) -> Plan:
