@@ -31,28 +31,32 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from puma import storage
-    from puma.eval.index_eval import metrics_table, run_evaluation
+    from puma.eval.index_eval import EVALUATION_FILE, metrics_table, run_evaluation
     from puma.index.versions import live_manifest
 
     uri = args.index or cfg.index.uri
     storage.preflight(cfg.storage, outputs=[uri, args.out, cfg.data.uri])  # buckets, credentials
+    out = args.out or storage.join(uri, EVALUATION_FILE)
     if args.embed or live_manifest(uri) is None:
-        embed_test_split(cfg, uri, args.checkpoint)
-    metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, args.out, cfg.eval.query_chunk)
+        uri = embed_test_split(cfg, uri, args.checkpoint)  # the checkpoint's version: it is what to evaluate
+    metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, out, cfg.eval.query_chunk)
     print(metrics_table(metrics))
     print(f"[puma] evaluated {uri} (index.nprobe={cfg.index.nprobe})")
     print(f"[puma] metrics: {out_uri}")
     return 0
 
 
-def embed_test_split(cfg: Config, uri: str, checkpoint: str) -> None:
-    """Embed the test split of data.uri into the index at ``uri`` (jobs/embed.py's library call)."""
+def embed_test_split(cfg: Config, uri: str, checkpoint: str) -> str:
+    """Embed the test split of data.uri into the index at ``uri`` (jobs/embed.py's library call);
+    returns the index written: the checkpoint model's version of the location."""
     from puma.inference import embed_catalogue
 
-    report = embed_catalogue(cfg, cfg.data.uri, index_uri=uri, checkpoint=checkpoint or None, split="test")
+    report = embed_catalogue(cfg, cfg.data.uri, index_uri=uri, checkpoint=checkpoint or None, split="test",
+                             settle=False)  # evaluating a model never changes which version is served
     print(f"[puma] embedded {report.embedded} test images of {cfg.data.uri} into {report.index_uri} "
           f"({report.skipped_indexed} already indexed, {report.rejected} rejected, "
           f"{report.total} in the index)")
+    return report.index_uri
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 from tiny import make_checkpoint, reference_embeddings
 
 from puma import storage
+from puma.checkpoint import checkpoint_id
 from puma.config import IndexConfig
 from puma.data.manifest import load_manifest
 from puma.data.prepare import prepare
@@ -25,7 +26,7 @@ from puma.eval import RetrievalInputError, evaluate_embeddings
 from puma.eval.index_eval import evaluate_index
 from puma.index import ShardedIndex, build_index, read_manifest
 from puma.index.table import read_columns, read_table
-from puma.index.versions import resolve
+from puma.index.versions import resolve, version_name, version_uri
 
 DIM = 16
 KS = (1, 2, 4, 8)
@@ -219,3 +220,9 @@ def test_evaluate_job_embeds_the_test_split_and_equals_core_metrics(ray_cluster,
     assert load_evaluate_job().main(argv) == 0  # again: nothing re-embedded, the same metrics
     assert "embedded 0 test images" in capsys.readouterr().out
     assert json.loads(Path(index, "evaluation.json").read_text())["metrics"] == record["metrics"]
+    other = make_checkpoint(str(tmp_path / "other" / "best"), seed=3)  # --embed with another model:
+    argv[argv.index(checkpoint)] = other  # its own version is built and evaluated, not the live one
+    assert load_evaluate_job().main(argv) == 0
+    again = json.loads(Path(index, "evaluation.json").read_text())
+    assert again["index"] == version_uri(index, version_name(checkpoint_id(other)))
+    assert again["metrics"] != record["metrics"] and record["index"] == resolve(index)
