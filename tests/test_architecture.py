@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("puma.data", "puma.models", "puma.losses", "puma.optim"),  # building blocks
     ("puma.methods",),  # one record per method: composes models, losses, data (pseudo-labels)
     ("puma.checkpoint", "puma.cli"),  # rebuild a method's model; a job's config with its method's checks
-    ("puma.index",),  # sharded FAISS: build, verify, search
+    ("puma.index", "puma.export"),  # sharded FAISS: build, verify, search; ONNX export of a checkpoint
     ("puma.eval",),  # metrics; evaluation through an index
     ("puma.train", "puma.inference"),  # Ray Train runner; batch embedding and search
     ("puma.sweep", "puma.serve", "puma.report"),  # Ray Tune; the online search service; a run's report

@@ -70,9 +70,10 @@ def assert_eval_deterministic_train_stochastic(model: torch.nn.Module, x: torch.
         assert not torch.equal(model(x), model(x))
 
 
-def make_checkpoint(uri: str, seed: int = 0) -> str:
-    """A tiny PUMA checkpoint with perturbed (non-initial) trainable weights and its probe."""
-    cfg = tiny_config()
+def make_checkpoint(uri: str, seed: int = 0, **sections: Any) -> str:
+    """A tiny PUMA checkpoint with perturbed (non-initial) trainable weights and its probe
+    (``sections`` as in :func:`tiny_model_config`, e.g. ``method="lora"``)."""
+    cfg = tiny_config(**sections)
     torch.manual_seed(0)  # the same random backbone for every seed
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(seed)

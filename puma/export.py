@@ -1,0 +1,151 @@
+"""ONNX export of a checkpoint's eval-mode embedding model (what jobs/export.py runs).
+
+The file holds the whole model of any method (frozen backbone, adapters, prompt pool, prompts,
+LoRA, head) with a dynamic batch size: input ``images`` float32 (B, 3, S, S), the eval view
+normalised; output ``embeddings`` float32 (B, E), L2-normalised. Its metadata (``custom_metadata_map``
+in ONNX Runtime) says how to make the input and what the output belongs to:
+
+    puma.model_id       the model id an index records (puma.checkpoint.checkpoint_id)
+    puma.method         model.method
+    puma.img_size       S;  puma.resize_shorter: the shorter side before the center crop
+    puma.mean, puma.std JSON lists: (x / 255 - mean) / std per channel
+    puma.embed_dim      E
+    puma.view           how the eval view is made, in words
+
+An export is checked before it is written: ONNX Runtime must give the PyTorch embeddings of a seeded
+probe batch within cosine PARITY_COSINE per image, else ExportError. ``docs/export.md`` shows how
+to run the file with onnxruntime, numpy and Pillow only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from puma import storage
+from puma.errors import UserError
+
+OPSET = 17
+PARITY_COSINE = 0.9999
+PROBE_BATCH = 4
+VIEW_TEXT = ("decode (JPEG at the DCT scale nearest above resize_shorter), EXIF upright, RGB; resize "
+             "the shorter side to resize_shorter and center crop img_size (one bicubic resample of the crop "
+             "box); (x / 255 - mean) / std; channels first")
+
+
+class ExportError(UserError, RuntimeError):
+    """An export that cannot be written as asked (e.g. ONNX Runtime disagrees with PyTorch)."""
+
+
+@dataclass
+class ExportReport:
+    """What was written and how well it agrees with PyTorch."""
+
+    out: str
+    model_id: str
+    method: str
+    img_size: int
+    embed_dim: int
+    opset: int
+    bytes: int
+    parity_min_cosine: float
+
+    def summary(self) -> str:
+        return (f"{self.out}: {self.method}, {self.img_size} px -> {self.embed_dim}-d, opset {self.opset}, "
+                f"{self.bytes / 1e6:.1f} MB; ONNX Runtime vs PyTorch min cosine {self.parity_min_cosine:.6f} "
+                f"on {PROBE_BATCH} probe images; model {self.model_id}")
+
+
+def export_onnx(checkpoint: str, out: str, backbone_weights: str | None = None,
+                opset: int = OPSET) -> ExportReport:
+    """Export the checkpoint's eval-mode model to ONNX at ``out`` (local or s3://), parity checked."""
+    import torch
+
+    from puma.checkpoint import checkpoint_id, load_model, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(checkpoint)
+    model, cfg = load_model(checkpoint, backbone_weights)  # eval mode, probe verified
+    size = cfg.model.backbone.img_size
+    rng = np.random.default_rng(0)
+    probe = torch.from_numpy(rng.standard_normal((PROBE_BATCH, 3, size, size), np.float32))
+    data = _to_onnx(model, probe, opset)
+    with torch.inference_mode():
+        want = model(probe).float().numpy()  # (B, E)
+    data = _with_metadata(data, _metadata(cfg, checkpoint_id(checkpoint), want.shape[1]))
+    cosine = parity(data, probe.numpy(), want)
+    if cosine < PARITY_COSINE:
+        raise ExportError(f"ONNX Runtime embeds the probe images of {checkpoint} at cosine {cosine:.6f} to "
+                          f"PyTorch (< {PARITY_COSINE}); not written. Report this with the checkpoint's "
+                          f"method {cfg.model.method!r}")
+    storage.write_bytes(out, data)
+    return ExportReport(out, checkpoint_id(checkpoint), cfg.model.method, size, int(want.shape[1]), opset,
+                        len(data), cosine)
+
+
+def _to_onnx(model, probe, opset: int) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    with torch.inference_mode():
+        torch.onnx.export(model, (probe,), buffer, input_names=["images"], output_names=["embeddings"],
+                          dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}},
+                          opset_version=opset, dynamo=False)
+    return buffer.getvalue()
+
+
+def _metadata(cfg, model_id: str, embed_dim: int) -> dict[str, str]:
+    from puma.data.images import eval_resize_size, eval_view_spec
+
+    view = eval_view_spec(cfg)
+    return {"puma.model_id": model_id, "puma.method": cfg.model.method, "puma.img_size": str(view.img_size),
+            "puma.resize_shorter": str(eval_resize_size(view.img_size)),
+            "puma.mean": json.dumps([float(v) for v in view.mean]),
+            "puma.std": json.dumps([float(v) for v in view.std]), "puma.embed_dim": str(embed_dim),
+            "puma.view": VIEW_TEXT}
+
+
+def _with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
+    import onnx
+
+    proto = onnx.load_from_string(data)
+    for key, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    return proto.SerializeToString()
+
+
+def parity(data: bytes, images: np.ndarray, want: np.ndarray) -> float:
+    """The smallest per-image cosine between ONNX Runtime's embeddings of ``images`` and ``want``."""
+    got = embed(session(data), images)
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    return float(cos.min())
+
+
+def session(data: bytes, threads: int = 0):
+    """An ONNX Runtime CPU session of an exported model (``threads`` 0: ONNX Runtime's default)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise ExportError("ONNX Runtime is not installed: pip install -e .[convert] (or onnxruntime)") \
+            from exc
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def embed(sess, images: np.ndarray) -> np.ndarray:
+    """Eval views (B, 3, S, S) -> embeddings (B, E) with an ONNX Runtime session."""
+    return sess.run(["embeddings"], {"images": np.ascontiguousarray(images, np.float32)})[0]
+
+
+def metadata(sess) -> dict[str, str]:
+    """The puma.* metadata of a session's model."""
+    return dict(sess.get_modelmeta().custom_metadata_map)
+
+
+def report_dict(report: ExportReport) -> dict:
+    return asdict(report)

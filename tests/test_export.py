@@ -1,0 +1,106 @@
+"""ONNX export: every method's eval-mode model in ONNX Runtime gives PyTorch's embeddings of real photos
+(cosine >= 0.9999 per image), the file carries the model id and view, and the standalone example in
+docs/examples/onnx_embed.py (onnxruntime, numpy and Pillow only) embeds like the project does."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from tiny import make_checkpoint, reference_embeddings
+
+from puma.checkpoint import checkpoint_id
+from puma.export import ExportError, embed, export_onnx, metadata, session
+from puma.methods import METHODS
+
+REPO = Path(__file__).resolve().parent.parent
+FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
+EXAMPLE = REPO / "docs" / "examples" / "onnx_embed.py"
+SMALL_VPTSP_G = {"prompt_length": 3, "class_prompt_layers": 2, "class_prompt_length": 2}
+METHOD_OPTIONS = {"vptsp_g": {"vptsp_g": SMALL_VPTSP_G}}
+
+
+def photos(n: int = 6) -> list[Path]:
+    return sorted(FLOWERS.glob("*/*.jpg"))[::97][:n]
+
+
+def refs(paths: list[Path]) -> pa.Table:
+    return pa.table({"image_uri": [str(p) for p in paths], "image_row": [-1] * len(paths)})
+
+
+def views(checkpoint: str, paths: list[Path]) -> np.ndarray:
+    """The project's eval views of the photos (what the embed job feeds its model)."""
+    from puma.checkpoint import load_model
+    from puma.data.images import eval_view_spec, make_view
+
+    _, cfg = load_model(checkpoint)
+    spec = eval_view_spec(cfg)
+    return np.stack([make_view(p.read_bytes(), spec) for p in paths])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_exports_with_parity_on_real_photos(tmp_path, method):
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), seed=1, method=method, **METHOD_OPTIONS.get(method, {}))
+    out = tmp_path / "model.onnx"
+    report = export_onnx(ckpt, str(out))
+    assert report.parity_min_cosine >= 0.9999 and report.method == method
+    assert out.stat().st_size == report.bytes
+    sess = session(out.read_bytes())
+    paths = photos()
+    got = embed(sess, views(ckpt, paths))  # (N, E): ONNX Runtime on the project's eval views
+    want = reference_embeddings(ckpt, refs(paths))  # (N, E): PyTorch
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert cos.min() >= 0.9999, (method, cos)
+    assert embed(sess, views(ckpt, paths[:1])).shape == (1, want.shape[1])  # any batch size
+    meta = metadata(sess)
+    assert meta["puma.model_id"] == checkpoint_id(ckpt) and meta["puma.method"] == method
+    assert int(meta["puma.embed_dim"]) == want.shape[1] and int(meta["puma.img_size"]) == 32
+
+
+def test_the_standalone_example_needs_only_onnxruntime_numpy_pillow_and_embeds_like_the_project(tmp_path):
+    imports = set()
+    for node in ast.walk(ast.parse(EXAMPLE.read_text())):
+        if isinstance(node, ast.Import):
+            imports |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imports.add(node.module.split(".")[0])
+    assert imports <= {"json", "sys", "numpy", "onnxruntime", "PIL"}, imports
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), seed=2)
+    export_onnx(ckpt, str(tmp_path / "model.onnx"))
+    paths = photos(5)
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONNOUSERSITE": "1"}  # no PYTHONPATH: not the project's
+    argv = [sys.executable, "-I", str(EXAMPLE), str(tmp_path / "model.onnx"), *map(str, paths)]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = np.load(tmp_path / "embeddings.npy")
+    want = reference_embeddings(ckpt, refs(paths))
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert got.shape == want.shape and cos.min() >= 0.9999, cos
+    assert f"5 embeddings of size {want.shape[1]}" in proc.stdout
+
+
+def test_the_export_job_writes_and_refuses_without_out(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("export_job", REPO / "jobs" / "export.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    assert job.main(["--checkpoint", ckpt]) == 2 and "--out" in capsys.readouterr().err
+    assert job.main(["--checkpoint", ckpt, "--out", str(tmp_path / "m.onnx")]) == 0
+    assert "min cosine" in capsys.readouterr().out and (tmp_path / "m.onnx").exists()
+
+
+def test_an_export_onnx_runtime_disagrees_with_is_refused(tmp_path, monkeypatch):
+    import puma.export as export
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"))
+    monkeypatch.setattr(export, "parity", lambda *a: 0.5)  # failure injection: a broken conversion
+    with pytest.raises(ExportError, match="cosine 0.500000 to PyTorch"):
+        export_onnx(ckpt, str(tmp_path / "bad.onnx"))
+    assert not (tmp_path / "bad.onnx").exists()
