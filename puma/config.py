@@ -530,6 +530,8 @@ class EmbedConfig:
     commit_rows: int = 50_000  # items per index commit: a crash loses at most this much work
     expected_items: int = 0  # size the index plan for this many items; 0: the first catalogue's size
     retry_rejects: bool = False  # re-try items listed in the catalogue's rejects file (default: skip them)
+    runtime: str = "torch"  # torch | onnx: ONNX Runtime on CPU (the model exported once by the driver,
+    # parity-checked: the index takes its vectors as the same model's)
     local_max_items: int = 256  # at most this many images to embed into an existing index: embedded in
     # the job's own process with the model it loads anyway (no Ray Data pipeline to start); 0: never
     actor_resources: dict = field(default_factory=dict)  # custom Ray resources per embedding actor, e.g.
@@ -545,6 +547,7 @@ class EmbedConfig:
         _check_choice("embed.split", self.split, EMBED_SPLITS)
         _check(self.commit_rows >= 1, f"embed.commit_rows={self.commit_rows!r} must be >= 1")
         _check(self.local_max_items >= 0, f"embed.local_max_items={self.local_max_items!r} must be >= 0")
+        _check_choice("embed.runtime", self.runtime, ("torch", "onnx"))
         _check(self.expected_items >= 0, f"embed.expected_items={self.expected_items!r} must be >= 0 "
                                          "(0: the first catalogue's size)")
 

@@ -69,12 +69,10 @@ def export_onnx(checkpoint: str, out: str, backbone_weights: str | None = None,
     checkpoint = resolve_checkpoint(checkpoint)
     model, cfg = load_model(checkpoint, backbone_weights)  # eval mode, probe verified
     size = cfg.model.backbone.img_size
-    rng = np.random.default_rng(0)
-    probe = torch.from_numpy(rng.standard_normal((PROBE_BATCH, 3, size, size), np.float32))
-    data = _to_onnx(model, probe, opset)
+    probe = _probe(size)
     with torch.inference_mode():
         want = model(probe).float().numpy()  # (B, E)
-    data = _with_metadata(data, _metadata(cfg, checkpoint_id(checkpoint), want.shape[1]))
+    data = onnx_bytes(model, cfg, checkpoint_id(checkpoint), opset)
     cosine = parity(data, probe.numpy(), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images of {checkpoint} at cosine {cosine:.6f} to "
@@ -83,6 +81,23 @@ def export_onnx(checkpoint: str, out: str, backbone_weights: str | None = None,
     storage.write_bytes(out, data)
     return ExportReport(out, checkpoint_id(checkpoint), cfg.model.method, size, int(want.shape[1]), opset,
                         len(data), cosine)
+
+
+def onnx_bytes(model, cfg, model_id: str = "", opset: int = OPSET) -> bytes:
+    """The eval-mode ``model`` (built from ``cfg``) as ONNX bytes with its metadata (no parity check)."""
+    import torch
+
+    probe = _probe(cfg.model.backbone.img_size)
+    with torch.inference_mode():
+        embed_dim = int(model(probe[:1]).shape[1])
+    return _with_metadata(_to_onnx(model, probe, opset), _metadata(cfg, model_id, embed_dim))
+
+
+def _probe(size: int):
+    import torch
+
+    rng = np.random.default_rng(0)
+    return torch.from_numpy(rng.standard_normal((PROBE_BATCH, 3, size, size), np.float32))
 
 
 def _to_onnx(model, probe, opset: int) -> bytes:
@@ -135,6 +150,22 @@ def session(data: bytes, threads: int = 0):
     if threads:
         options.intra_op_num_threads = threads
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def checked_session(data: bytes, model, cfg, threads: int = 0):
+    """A session of ``data``, refused (ExportError) unless it embeds the probe images like ``model``."""
+    import torch
+
+    probe = _probe(cfg.model.backbone.img_size)
+    with torch.inference_mode():
+        want = model(probe).float().numpy()
+    sess = session(data, threads)
+    got = embed(sess, probe.numpy())
+    cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
+    if cosine < PARITY_COSINE:
+        raise ExportError(f"ONNX Runtime embeds the probe images at cosine {cosine:.6f} to PyTorch "
+                          f"(< {PARITY_COSINE}); use embed.runtime=torch")
+    return sess
 
 
 def embed(sess, images: np.ndarray) -> np.ndarray:

@@ -104,3 +104,43 @@ def test_an_export_onnx_runtime_disagrees_with_is_refused(tmp_path, monkeypatch)
     with pytest.raises(ExportError, match="cosine 0.500000 to PyTorch"):
         export_onnx(ckpt, str(tmp_path / "bad.onnx"))
     assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_the_embed_job_with_onnx_runtime_builds_the_same_index_as_with_torch(ray_cluster, tmp_path):
+    """embed.runtime=onnx (through the actors, and in process for a small change): the same vectors
+    within cosine 0.9999, the same model id and version, so either runtime can extend an index."""
+    import shutil
+
+    from puma.config import load_config
+    from puma.index.build import live_table
+    from puma.index.versions import read_alias, resolve
+    from puma.inference.job import embed_catalogue
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), seed=4)
+    shop = tmp_path / "shop"
+    shop.mkdir()
+    every = sorted(FLOWERS.glob("*/*.jpg"))[::61][:15]
+    for p in every[:12]:
+        shutil.copy(p, shop / p.name)
+
+    def run(location: str, runtime: str, *extra: str):
+        cfg = load_config(None, [f"index.uri={location}", f"embed.checkpoint={ckpt}", "embed.num_cpus=1",
+                                 "embed.batch_size=8", f"embed.runtime={runtime}", *extra])
+        return embed_catalogue(cfg, str(shop))
+
+    a, b = str(tmp_path / "torch"), str(tmp_path / "onnx")
+    assert run(a, "torch").embedded == 12
+    assert run(b, "onnx", "embed.local_max_items=0").embedded == 12  # the actors run ONNX Runtime
+    assert read_alias(a).live == read_alias(b).live  # one model id, one version name
+
+    def vectors(location: str) -> dict[str, np.ndarray]:
+        table = live_table(resolve(location))
+        return dict(zip(table["item_id"].to_pylist(), table["embedding"].to_numpy(zero_copy_only=False),
+                        strict=True))
+
+    va, vb = vectors(a), vectors(b)
+    assert set(va) == set(vb) and min(float(np.dot(va[k], vb[k])) for k in va) >= 0.9999
+    for p in every[12:]:
+        shutil.copy(p, shop / p.name)
+    more = run(a, "onnx")  # three new photos, embedded in process by ONNX Runtime into torch's index
+    assert (more.added, more.total) == (3, 15) and read_alias(a).live == read_alias(b).live

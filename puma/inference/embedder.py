@@ -121,10 +121,13 @@ def read_and_decode(refs: pa.Table, view: ViewSpec, storage_cfg, reject_log) -> 
 
 
 class Embedder:
-    """Ray Data actor: loads the checkpoint's model once, then embeds batches of eval views."""
+    """Ray Data actor: loads the checkpoint's model once, then embeds batches of eval views.
+
+    ``runtime``: ``torch`` (the model on the actor's device) or ``onnx`` (ONNX Runtime on CPU, from
+    ``onnx_model``, the exported bytes (puma.export), or exported here when not given)."""
 
     def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool,
-                 threads: int) -> None:
+                 threads: int, runtime: str = "torch", onnx_model: bytes | None = None) -> None:
         import torch
 
         from puma.checkpoint import load_model
@@ -133,6 +136,13 @@ class Embedder:
         if threads > 0:  # 0: leave torch's threads as they are (the job's own process)
             torch.set_num_threads(threads)
         model, cfg = load_model(checkpoint, backbone_weights or None)  # eval mode, probe verified
+        self.onnx, self.onnx_model = None, None
+        if runtime == "onnx":
+            from puma.export import checked_session, onnx_bytes
+
+            self.onnx_model = onnx_model or onnx_bytes(model, cfg)
+            self.onnx = checked_session(self.onnx_model, model, cfg, threads=max(0, threads))
+            use_gpu = False  # ONNX Runtime here runs on CPU
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)
         self.dim = int(self.forward(np.zeros((1, 3, cfg.model.backbone.img_size,
@@ -142,6 +152,11 @@ class Embedder:
         """Eval views (B, 3, S, S), numpy or a tensor on the actor's device -> embeddings (B, E) float32."""
         import torch
 
+        if self.onnx is not None:
+            from puma.export import embed
+
+            array = images.cpu().numpy() if isinstance(images, torch.Tensor) else images
+            return embed(self.onnx, array)  # (B, E)
         with torch.inference_mode():
             if isinstance(images, np.ndarray):
                 images = torch.from_numpy(np.array(images, np.float32)).to(self.device)  # writable copy

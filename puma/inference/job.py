@@ -325,7 +325,7 @@ def _check_model(run: _Run) -> None:
     loaded model is kept: a small change is embedded with it here (see _embed_here)."""
     cfg = run.cfg
     run.embedder = Embedder(run.checkpoint, cfg.embed.backbone_weights, storage.current_config(),
-                            use_gpu=cfg.embed.use_gpu, threads=0)
+                            use_gpu=cfg.embed.use_gpu, threads=0, runtime=cfg.embed.runtime)
 
 
 def _reconcile(run: _Run, split: str) -> None:
@@ -462,7 +462,7 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
 
     cfg = run.cfg
     resources = ray.cluster_resources()
-    use_gpu = cfg.embed.use_gpu and resources.get("GPU", 0) > 0
+    use_gpu = cfg.embed.use_gpu and resources.get("GPU", 0) > 0 and cfg.embed.runtime == "torch"
     _warn_if_actors_take_every_cpu(cfg, resources.get("CPU", 0.0))
     rows = cfg.data.decode_batch_size
     blocks = [refs.slice(i, rows) for i in range(0, len(refs), rows)]  # one decode task each
@@ -476,7 +476,8 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
         num_gpus=cfg.embed.num_gpus if use_gpu else None, resources=cfg.embed.actor_resources or None,
         fn_constructor_kwargs={"checkpoint": run.checkpoint, "backbone_weights": cfg.embed.backbone_weights,
                                "storage_cfg": storage.current_config(), "use_gpu": use_gpu,
-                               "threads": max(1, int(cfg.embed.num_cpus))})
+                               "threads": max(1, int(cfg.embed.num_cpus)), "runtime": cfg.embed.runtime,
+                               "onnx_model": run.embedder.onnx_model if run.embedder else None})
     log.info("embedding %d item(s) on %d %s actor(s)", len(refs), cfg.embed.concurrency,
              "GPU" if use_gpu else "CPU")
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
