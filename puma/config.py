@@ -590,6 +590,7 @@ class ServeConfig:
     target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
     watch_interval_s: float = 10.0  # how often replicas look for new shards and a new live version
     version_grace_s: float = 30.0  # a replaced version stays loaded this long (and while requests hold it)
+    runtime: str = "torch"  # the query model: torch | onnx (ONNX Runtime on CPU, parity-checked at load)
     token_env: str = "PUMA_SERVE_TOKEN"  # a non-empty value there requires `Authorization: Bearer <it>`
     access_log: bool = False  # one log line per request in the replicas' logs
 
@@ -616,6 +617,7 @@ class ServeConfig:
         _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
         _check(self.watch_interval_s > 0, "serve.watch_interval_s must be > 0 seconds")
         _check(self.version_grace_s >= 0, "serve.version_grace_s must be >= 0 seconds")
+        _check_choice("serve.runtime", self.runtime, ("torch", "onnx"))
 
 
 # ----------------------------------------------------------------------------- sweep

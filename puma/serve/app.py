@@ -96,8 +96,9 @@ class QueryModel:
     MODELS_KEPT = 2
 
     def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool, threads: int,
-                 max_batch_size: int, batch_wait_timeout_s: float, min_image_size: int = 0) -> None:
-        self.options = (backbone_weights, storage_cfg, use_gpu, threads)
+                 max_batch_size: int, batch_wait_timeout_s: float, min_image_size: int = 0,
+                 runtime: str = "torch") -> None:
+        self.options = (backbone_weights, storage_cfg, use_gpu, threads, runtime)
         self.min_image_size = min_image_size
         self.embedders: dict[str, Embedder] = {}
         self._lock = threading.Lock()
@@ -144,7 +145,7 @@ class QueryModel:
         """Batches run, images embedded, the largest batch, the device, the models loaded (this replica)."""
         device = str(next(iter(self.embedders.values())).device) if self.embedders else ""
         return {"batches": self.batches, "images": self.images, "largest_batch": self.largest_batch,
-                "device": device, "checkpoints": list(self.embedders)}
+                "device": device, "checkpoints": list(self.embedders), "runtime": self.options[4]}
 
 
 @serve.deployment
@@ -356,7 +357,8 @@ def build_app(plan: ServicePlan) -> Application:
     if s.image_queries:
         model = QueryModel.options(**options["model"]).bind(
             plan.checkpoint, cfg.embed.backbone_weights, storage.current_config(), use_gpu,
-            max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s, cfg.data.min_image_size)
+            max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s, cfg.data.min_image_size,
+            s.runtime)
     pinned = Pinned(plan.version, plan.model_id, plan.checkpoint, plan.view)
     return SearchIngress.options(**options["ingress"]).bind(
         index, model, pinned, Limits.from_config(s), s.token_env, cfg.index.uri, storage.current_config(),
