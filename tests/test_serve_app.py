@@ -111,7 +111,7 @@ def service(ray_cluster, tmp_path_factory):
             "serve.watch_interval_s=0.5", "serve.model_num_cpus=0.5", "serve.index_num_cpus=0.25",
             "serve.ingress_num_cpus=0.25", "serve.model_max_replicas=1", "serve.index_max_replicas=1",
             "serve.max_batch_size=8", "serve.batch_wait_timeout_s=0.25", f"serve.max_k={MAX_K}",
-            "serve.runtime=onnx",  # the query model in ONNX Runtime: it must answer like the torch-built index
+            "serve.runtime=onnx",  # the query model in ONNX Runtime: answers as the torch-built index
             f"serve.max_upload_bytes={MAX_BYTES}", f"serve.max_image_pixels={MAX_PIXELS}"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
