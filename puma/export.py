@@ -11,6 +11,11 @@ in ONNX Runtime) says how to make the input and what the output belongs to:
     puma.mean, puma.std JSON lists: (x / 255 - mean) / std per channel
     puma.embed_dim      E
     puma.view           how the eval view is made, in words
+    puma.precision      fp32, or int8 for ``quantize_int8``'s copy
+
+``quantize_int8`` makes a smaller copy with int8 weights (ONNX Runtime dynamic quantisation: weights
+QInt8 per tensor, activations quantised per batch at run time). It is not parity checked: int8 costs
+some accuracy (``jobs/export.py --int8`` prints its min cosine to the fp32 file on the probe images).
 
 An export is checked before it is written: ONNX Runtime must give the PyTorch embeddings of a seeded
 probe batch within cosine PARITY_COSINE per image, else ExportError. ``docs/export.md`` shows how
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -119,24 +125,55 @@ def _metadata(cfg, model_id: str, embed_dim: int) -> dict[str, str]:
             "puma.resize_shorter": str(eval_resize_size(view.img_size)),
             "puma.mean": json.dumps([float(v) for v in view.mean]),
             "puma.std": json.dumps([float(v) for v in view.std]), "puma.embed_dim": str(embed_dim),
-            "puma.view": VIEW_TEXT}
+            "puma.view": VIEW_TEXT, "puma.precision": "fp32"}
 
 
 def _with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
+    """``data`` with ``metadata`` set in its metadata_props (existing keys replaced)."""
     import onnx
 
     proto = onnx.load_from_string(data)
-    for key, value in metadata.items():
+    kept = [(e.key, e.value) for e in proto.metadata_props if e.key not in metadata]
+    del proto.metadata_props[:]
+    for key, value in [*kept, *metadata.items()]:
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
     return proto.SerializeToString()
 
 
+def quantize_int8(data: bytes) -> bytes:
+    """An exported model with int8 weights (ONNX Runtime dynamic quantisation), its puma.* metadata
+    kept and ``puma.precision`` set to int8."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    puma_meta = {e.key: e.value for e in onnx.load_from_string(data).metadata_props
+                 if e.key.startswith("puma.")}
+    with tempfile.TemporaryDirectory(prefix="puma-int8-") as tmp:
+        src, dst = f"{tmp}/fp32.onnx", f"{tmp}/int8.onnx"
+        with open(src, "wb") as f:
+            f.write(data)
+        quantize_dynamic(src, dst, weight_type=QuantType.QInt8)
+        with open(dst, "rb") as f:
+            quantized = f.read()
+    return _with_metadata(quantized, {**puma_meta, "puma.precision": "int8"})
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The smallest per-row cosine between embeddings a (N, E) and b (N, E)."""
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(cos.min())
+
+
+def int8_agreement(fp32: bytes, int8: bytes, size: int) -> float:
+    """The int8 file's min cosine to the fp32 file on the seeded probe images of ``size`` px."""
+    probe = _probe(size).numpy()
+    return min_cosine(embed(session(int8), probe), embed(session(fp32), probe))
+
+
 def parity(data: bytes, images: np.ndarray, want: np.ndarray) -> float:
     """The smallest per-image cosine between ONNX Runtime's embeddings of ``images`` and ``want``."""
-    got = embed(session(data), images)
-    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    return float(cos.min())
+    return min_cosine(embed(session(data), images), want)
 
 
 def session(data: bytes, threads: int = 0):
@@ -160,8 +197,7 @@ def checked_session(data: bytes, model, cfg, threads: int = 0):
     with torch.inference_mode():
         want = model(probe).float().numpy()
     sess = session(data, threads)
-    got = embed(sess, probe.numpy())
-    cosine = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
+    cosine = min_cosine(embed(sess, probe.numpy()), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images at cosine {cosine:.6f} to PyTorch "
                           f"(< {PARITY_COSINE}); use embed.runtime=torch")
