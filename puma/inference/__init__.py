@@ -1,8 +1,10 @@
 """Batch embedding of catalogues into the sharded index (what jobs/embed.py runs).
 
-``embed_catalogue(cfg, catalogue)`` embeds one catalogue (a prepared dataset or images under a
-prefix) with a checkpoint, in a Ray Data actor pool, and adds the new items to the index;
-``watch(cfg, prefix)`` does it for every catalogue under a prefix. See ``puma.inference.job``.
+``embed_catalogue(cfg, catalogue)`` reconciles one catalogue (a prepared dataset, images under a
+prefix, or a table) into the index with a checkpoint: new and changed items embedded (a Ray Data
+actor pool, or in process for a few), removed ones taken out (``puma.inference.reconcile`` plans
+it); ``embed_catalogues`` / ``watch(cfg, prefix)`` do it for several, building a new model's
+version for every live catalogue. See ``puma.inference.job``.
 ``run_search`` (``puma.inference.search``, what jobs/search.py runs) searches the index by stored
 vectors, item ids or query images embedded in-process (``puma.inference.query``) and draws
 retrieval grids (``puma.inference.grid``).
@@ -18,8 +20,9 @@ import importlib
 _EXPORTS = {
     "CatalogueError": "catalogue", "catalogue_refs": "catalogue", "list_catalogues": "catalogue",
     "Embedder": "embedder",
-    "EmbedReport": "job", "checkpoint_id": "job", "embed_catalogue": "job", "rejects_uri": "job",
-    "resolve_checkpoint": "job", "watch": "job",
+    "EmbedReport": "job", "checkpoint_id": "job", "embed_catalogue": "job", "embed_catalogues": "job",
+    "rejects_uri": "job", "remove_catalogue": "job", "resolve_checkpoint": "job", "settle_version": "job",
+    "watch": "job", "Plan": "reconcile", "plan": "reconcile",
     "SearchOutcome": "search", "run_search": "search",
 }
 __all__ = sorted(_EXPORTS)
