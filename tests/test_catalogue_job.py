@@ -223,3 +223,20 @@ def test_a_new_model_builds_its_version_for_every_live_catalogue_then_goes_live(
     assert job.main(["versions", f"index.uri={location}"]) == 0
     out = capsys.readouterr().out
     assert f"{old}" in out and "live" in out and "previous" in out
+
+
+def test_a_rejected_photo_that_is_fixed_is_indexed_by_the_next_run(ray_cluster, checkpoint, tmp_path):
+    shop = tmp_path / "fix"
+    shop.mkdir()
+    for p in photos("iris")[70:73]:
+        shutil.copy(p, shop / p.name)
+    (shop / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    cfg = cfg_for(tmp_path, checkpoint)
+    first = embed_catalogue(cfg, str(shop))
+    assert (first.embedded, first.rejected) == (3, 1)
+    again = embed_catalogue(cfg, str(shop))  # unchanged: the listed reject is not read again
+    assert (again.embedded, again.skipped_rejected, again.rejected) == (0, 1, 1)
+    shutil.copy(photos("iris")[73], shop / "broken.jpg")  # the photo is fixed
+    fixed = embed_catalogue(cfg, str(shop))
+    assert (fixed.embedded, fixed.added, fixed.rejected, fixed.total) == (1, 1, 0, 4)
+    assert read_rejects(fixed.rejects_uri) == []

@@ -45,9 +45,14 @@ class Reject:
     source_path: str = ""
     split: str = ""
     detail: str = ""
+    stamp: str = ""  # embedding: the listing's stamp of the image when it was rejected ('' unknown)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The row as written; ``stamp`` only when known (so other stages' rows are unchanged)."""
+        row = asdict(self)
+        if not row["stamp"]:
+            row.pop("stamp")
+        return row
 
 
 def dumps(rejects: Iterable[Reject | dict]) -> str:

@@ -104,9 +104,10 @@ def fingerprint(data: bytes) -> str:
 
 def _reject_row(refs: pa.Table, i: int, exc: ImageRejected) -> dict:
     stage = "read" if exc.reason in ("missing_file", "empty_file") else "decode"
+    stamp = str(refs[STAMP][i]) if STAMP in refs.column_names else ""
     return Reject(item_id=str(refs[ITEM_ID][i]), dataset=str(refs[DATASET][i]), reason=exc.reason,
                   stage=stage, source_path=str(refs[schema.SOURCE_PATH][i]), split=str(refs[schema.SPLIT][i]),
-                  detail=exc.detail).to_dict()
+                  detail=exc.detail, stamp=stamp).to_dict()
 
 
 def read_and_decode(refs: pa.Table, view: ViewSpec, storage_cfg, reject_log) -> dict[str, np.ndarray]:

@@ -64,7 +64,7 @@ from puma.faults import fault_point
 from puma.index import create_index, plan_index, read_manifest
 from puma.index.build import check_compatible, commit_changes, compact
 from puma.index.manifest import Manifest, has_manifest, now
-from puma.index.table import CATALOGUE, INDEX_ID, ITEM_ID, ROLE, embedding_matrix
+from puma.index.table import CATALOGUE, INDEX_ID, ITEM_ID, ROLE, STAMP, embedding_matrix
 from puma.index.versions import (
     is_legacy,
     list_versions,
@@ -355,8 +355,10 @@ def _todo(run: _Run, split: str) -> pa.Table:
     run.report.skipped_indexed = run.plan.unchanged + run.plan.restamp_count
     todo = run.plan.embed
     if not run.cfg.embed.retry_rejects:
+        fixed = _forget_fixed_rejects(run, todo)
         rows = read_rejects(run.report.rejects_uri)
-        bad_images = [r["item_id"] for r in rows if r.get("stage") != "catalogue"]
+        bad_images = [r["item_id"] for r in rows
+                      if r.get("stage") != "catalogue" and r["item_id"] not in fixed]
         listed = pa.array(bad_images, pa.string())  # a catalogue-stage reject names a row, not the item
         fresh = pc.invert(pc.is_in(todo[ITEM_ID], value_set=pa.array(list(run.plan.replaced), pa.string())))
         retried = todo.filter(pc.invert(fresh))  # changed items are always read again
@@ -364,6 +366,19 @@ def _todo(run: _Run, split: str) -> pa.Table:
         todo = pa.concat_tables([kept, retried])
     log.info("catalogue %s: %d item(s), %d to embed", run.catalogue, run.report.items, len(todo))
     return todo
+
+
+def _forget_fixed_rejects(run: _Run, todo: pa.Table) -> set[str]:
+    """Items rejected earlier whose image has changed since (another stamp): their old rows leave the
+    rejects file and they are read again (a fixed photo is indexed without embed.retry_rejects)."""
+    rows = read_rejects(run.report.rejects_uri)
+    stamps = dict(zip(todo[ITEM_ID].to_pylist(), todo[STAMP].to_pylist(), strict=True))
+    fixed = {r["item_id"] for r in rows if r.get("stamp") and r["item_id"] in stamps
+             and stamps[r["item_id"]] != r["stamp"]}
+    if fixed:
+        write_rejects(run.report.rejects_uri, [r for r in rows if r["item_id"] not in fixed])
+        log.info("catalogue %s: %d rejected image(s) changed since: read again", run.catalogue, len(fixed))
+    return fixed
 
 
 def _in_split(live: pa.Table, catalogue: str, split: str) -> pa.Table:
