@@ -78,14 +78,15 @@ def export_onnx(checkpoint: str, out: str, backbone_weights: str | None = None,
     probe = _probe(size)
     with torch.inference_mode():
         want = model(probe).float().numpy()  # (B, E)
-    data = onnx_bytes(model, cfg, checkpoint_id(checkpoint), opset)
+    model_id = checkpoint_id(checkpoint)  # hashes the weights: once
+    data = onnx_bytes(model, cfg, model_id, opset)
     cosine = parity(data, probe.numpy(), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images of {checkpoint} at cosine {cosine:.6f} to "
                           f"PyTorch (< {PARITY_COSINE}); not written. Report this with the checkpoint's "
                           f"method {cfg.model.method!r}")
     storage.write_bytes(out, data)
-    return ExportReport(out, checkpoint_id(checkpoint), cfg.model.method, size, int(want.shape[1]), opset,
+    return ExportReport(out, model_id, cfg.model.method, size, int(want.shape[1]), opset,
                         len(data), cosine)
 
 

@@ -216,10 +216,11 @@ def removed_ids(uri: str, entry: ShardEntry) -> np.ndarray:
     return ids
 
 
-def live_rows(uri: str, entry: ShardEntry) -> np.ndarray:
-    """Bool (count,): True for the shard's rows that are not removed."""
+def live_rows(uri: str, entry: ShardEntry, removed: np.ndarray | None = None) -> np.ndarray:
+    """Bool (count,): True for the shard's rows that are not removed (``removed``: its removed ids,
+    when the caller has read them already)."""
     keep = np.ones(entry.count, dtype=bool)
-    keep[removed_ids(uri, entry) - entry.id_start] = False
+    keep[(removed_ids(uri, entry) if removed is None else removed) - entry.id_start] = False
     return keep
 
 

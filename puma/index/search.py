@@ -332,7 +332,8 @@ def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool) -> L
     removed = removed_ids(uri, entry)  # (R,) global ids
     if len(removed):
         cpu_index.remove_ids(removed)
-        item_ids = pc.if_else(pa.array(live_rows(uri, entry)), item_ids, pa.nulls(entry.count, item_ids.type))
+        live = pa.array(live_rows(uri, entry, removed))  # the removed-ids file is read once
+        item_ids = pc.if_else(live, item_ids, pa.nulls(entry.count, item_ids.type))
     index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
     return LoadedShard(entry, index, cpu_index if keep_cpu or not on_gpu else None, item_ids, on_gpu)
 
