@@ -14,7 +14,8 @@ in ONNX Runtime) says how to make the input and what the output belongs to:
     puma.precision      fp32, or int8 for ``quantize_int8``'s copy
 
 ``quantize_int8`` makes a smaller copy with int8 weights (ONNX Runtime dynamic quantisation: weights
-QInt8 per tensor, activations quantised per batch at run time). It is not parity checked: int8 costs
+QInt8 per output channel, activations quantised per batch at run time; per channel rather than per
+tensor was chosen on the demo's training images, docs/export.md). It is not parity checked: int8 costs
 some accuracy (``jobs/export.py --int8`` prints its min cosine to the fp32 file on the probe images).
 
 An export is checked before it is written: ONNX Runtime must give the PyTorch embeddings of a seeded
@@ -143,8 +144,8 @@ def _with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
 
 
 def quantize_int8(data: bytes) -> bytes:
-    """An exported model with int8 weights (ONNX Runtime dynamic quantisation), its puma.* metadata
-    kept and ``puma.precision`` set to int8."""
+    """An exported model with int8 weights (ONNX Runtime dynamic quantisation, per output channel), its
+    puma.* metadata kept and ``puma.precision`` set to int8."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -154,7 +155,7 @@ def quantize_int8(data: bytes) -> bytes:
         src, dst = f"{tmp}/fp32.onnx", f"{tmp}/int8.onnx"
         with open(src, "wb") as f:
             f.write(data)
-        quantize_dynamic(src, dst, weight_type=QuantType.QInt8)
+        quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=True)
         with open(dst, "rb") as f:
             quantized = f.read()
     return _with_metadata(quantized, {**puma_meta, "puma.precision": "int8"})
@@ -192,13 +193,23 @@ def session(data: bytes, threads: int = 0):
 
 def checked_session(data: bytes, model, cfg, threads: int = 0):
     """A session of ``data``, refused (ExportError) unless it embeds the probe images like ``model``."""
+    return matching_session(data, probe_embeddings(model, cfg), threads)
+
+
+def probe_embeddings(model, cfg) -> np.ndarray:
+    """PyTorch's embeddings (PROBE_BATCH, E) of the seeded probe images: what an export must reproduce."""
     import torch
 
-    probe = _probe(cfg.model.backbone.img_size)
     with torch.inference_mode():
-        want = model(probe).float().numpy()
+        return model(_probe(cfg.model.backbone.img_size)).float().numpy()
+
+
+def matching_session(data: bytes, want: np.ndarray, threads: int = 0):
+    """A session of ``data``, refused (ExportError) unless it embeds the probe images as ``want``
+    (probe_embeddings of the model it was exported from): no PyTorch model needed here."""
     sess = session(data, threads)
-    cosine = min_cosine(embed(sess, probe.numpy()), want)
+    size = int(sess.get_inputs()[0].shape[-1])
+    cosine = min_cosine(embed(sess, _probe(size).numpy()), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images at cosine {cosine:.6f} to PyTorch "
                           f"(< {PARITY_COSINE}); use embed.runtime=torch")

@@ -164,3 +164,24 @@ def test_the_embed_job_with_onnx_runtime_builds_the_same_index_as_with_torch(ray
         shutil.copy(p, shop / p.name)
     more = run(a, "onnx")  # three new photos, embedded in process by ONNX Runtime into torch's index
     assert (more.added, more.total) == (3, 15) and read_alias(a).live == read_alias(b).live
+
+
+def test_an_onnx_actor_given_the_drivers_export_builds_no_torch_model_and_checks_its_session(tmp_path):
+    """The embed job's actors get the driver's export and its probe embeddings: they start without a
+    PyTorch model, embed like the driver's, and refuse bytes that do not reproduce the probe."""
+    from puma import storage
+    from puma.inference.embedder import Embedder
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), seed=2)
+    driver = Embedder(ckpt, "", storage.current_config(), use_gpu=False, threads=1, runtime="onnx")
+    assert driver.model is not None and driver.onnx_probe.shape == (4, driver.dim)
+    actor = Embedder(ckpt, "", storage.current_config(), use_gpu=False, threads=1, runtime="onnx",
+                     onnx_model=driver.onnx_model, onnx_probe=driver.onnx_probe)
+    assert actor.model is None and actor.dim == driver.dim
+    v = views(ckpt, photos(4))
+    np.testing.assert_array_equal(actor.forward(v), driver.forward(v))
+    other = Embedder(make_checkpoint(str(tmp_path / "other"), seed=3), "", storage.current_config(),
+                     use_gpu=False, threads=1, runtime="onnx")
+    with pytest.raises(ExportError, match="probe images at cosine"):
+        Embedder(ckpt, "", storage.current_config(), use_gpu=False, threads=1, runtime="onnx",
+                 onnx_model=other.onnx_model, onnx_probe=driver.onnx_probe)

@@ -125,24 +125,36 @@ class Embedder:
     """Ray Data actor: loads the checkpoint's model once, then embeds batches of eval views.
 
     ``runtime``: ``torch`` (the model on the actor's device) or ``onnx`` (ONNX Runtime on CPU, from
-    ``onnx_model``, the exported bytes (puma.export), or exported here when not given)."""
+    ``onnx_model``, the exported bytes (puma.export), or exported here when not given). Given the bytes
+    and ``onnx_probe`` (the PyTorch embeddings of export's probe images, which the driver computed), an
+    ONNX actor builds no PyTorch model: it checks its session against ``onnx_probe`` and starts in
+    about a second."""
 
     def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool,
-                 threads: int, runtime: str = "torch", onnx_model: bytes | None = None) -> None:
+                 threads: int, runtime: str = "torch", onnx_model: bytes | None = None,
+                 onnx_probe: np.ndarray | None = None) -> None:
         import torch
-
-        from puma.checkpoint import load_model
 
         use_storage(storage_cfg)
         if threads > 0:  # 0: leave torch's threads as they are (the job's own process)
             torch.set_num_threads(threads)
+        self.onnx, self.onnx_model, self.onnx_probe, self.model = None, onnx_model, onnx_probe, None
+        self.device = torch.device("cpu")
+        if runtime == "onnx" and onnx_model is not None and onnx_probe is not None:
+            from puma.export import matching_session
+
+            self.onnx = matching_session(onnx_model, onnx_probe, threads=max(0, threads))
+            self.dim = int(onnx_probe.shape[1])
+            return
+        from puma.checkpoint import load_model
+
         model, cfg = load_model(checkpoint, backbone_weights or None)  # eval mode, probe verified
-        self.onnx, self.onnx_model = None, None
         if runtime == "onnx":
-            from puma.export import checked_session, onnx_bytes
+            from puma.export import matching_session, onnx_bytes, probe_embeddings
 
             self.onnx_model = onnx_model or onnx_bytes(model, cfg)
-            self.onnx = checked_session(self.onnx_model, model, cfg, threads=max(0, threads))
+            self.onnx_probe = probe_embeddings(model, cfg)
+            self.onnx = matching_session(self.onnx_model, self.onnx_probe, threads=max(0, threads))
             use_gpu = False  # ONNX Runtime here runs on CPU
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)

@@ -492,7 +492,8 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
         fn_constructor_kwargs={"checkpoint": run.checkpoint, "backbone_weights": cfg.embed.backbone_weights,
                                "storage_cfg": storage.current_config(), "use_gpu": use_gpu,
                                "threads": max(1, int(cfg.embed.num_cpus)), "runtime": cfg.embed.runtime,
-                               "onnx_model": run.embedder.onnx_model if run.embedder else None})
+                               "onnx_model": run.embedder.onnx_model if run.embedder else None,
+                               "onnx_probe": run.embedder.onnx_probe if run.embedder else None})
     log.info("embedding %d item(s) on %d %s actor(s)", len(refs), cfg.embed.concurrency,
              "GPU" if use_gpu else "CPU")
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
