@@ -33,16 +33,15 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
-from puma.config import Config, dump_yaml, from_dict, run_uri, to_dict
+from puma.config import Config, dump_yaml, from_dict, to_dict
 from puma.errors import UserError
+from puma.run_folder import BEST_POINTER, RunFolder, folder_name
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
-BEST_DIR = "best"  # <run>/best: the best checkpoint by train.best_metric
-POINTER_FILE = "current.json"  # best/current.json: which version folder best/ stands for
 # the libraries that shape a checkpoint's meaning (meta.json "versions")
 LIBRARIES = ("torch", "timm", "ray", "pytorch-metric-learning", "faiss-cpu", "faiss-gpu", "puma-ray")
 
@@ -90,7 +89,7 @@ def save_checkpoint(uri: str, state: CheckpointState) -> str:
 
 def resolve_checkpoint(uri: str) -> str:
     """The folder holding the checkpoint ``uri`` names: the version its pointer names (best/), or itself."""
-    pointer = storage.join(uri, POINTER_FILE)
+    pointer = storage.join(uri, BEST_POINTER)
     if not storage.exists(pointer):
         return uri
     return storage.join(uri, json.loads(storage.read_text(pointer))["checkpoint"])
@@ -98,7 +97,7 @@ def resolve_checkpoint(uri: str) -> str:
 
 def has_checkpoint(uri: str) -> bool:
     """Whether ``uri`` names a checkpoint (a pointer, or a folder with meta.json); not a full check."""
-    return storage.exists(storage.join(uri, POINTER_FILE)) or storage.exists(storage.join(uri, META_FILE))
+    return storage.exists(storage.join(uri, BEST_POINTER)) or storage.exists(storage.join(uri, META_FILE))
 
 
 def _incomplete(uri: str, what: str) -> IncompleteCheckpointError:
@@ -341,13 +340,13 @@ def publish_best(best_uri: str, state: CheckpointState, label: str) -> str:
     state = CheckpointState(config=state.config, model=state.model, loss=state.loss, meta=state.meta)
     save_checkpoint(storage.join(best_uri, version), state)
     record = {"checkpoint": version, "epoch": state.meta.get("epoch"), "previous": previous}
-    storage.write_text(storage.join(best_uri, POINTER_FILE), json.dumps(record, indent=2, sort_keys=True))
+    storage.write_text(storage.join(best_uri, BEST_POINTER), json.dumps(record, indent=2, sort_keys=True))
     _remove_stale_versions(best_uri, keep={version, previous})
     return storage.join(best_uri, version)
 
 
 def _pointer_target(best_uri: str) -> str | None:
-    pointer = storage.join(best_uri, POINTER_FILE)
+    pointer = storage.join(best_uri, BEST_POINTER)
     return json.loads(storage.read_text(pointer))["checkpoint"] if storage.exists(pointer) else None
 
 
@@ -358,13 +357,58 @@ def _remove_stale_versions(best_uri: str, keep: set[str | None]) -> None:
     still read it.
     """
     for uri in storage.list_dirs(best_uri):
-        if uri.rstrip("/").rsplit("/", 1)[-1] not in keep:
+        if folder_name(uri) not in keep:
             storage.delete(uri)
     for uri in storage.list_files(best_uri, recursive=False):
-        if uri.rsplit("/", 1)[-1] != POINTER_FILE:
+        if folder_name(uri) != BEST_POINTER:
             storage.delete(uri)
 
 
 def best_checkpoint_uri(cfg: Config) -> str:
     """Where training keeps its best checkpoint: <train.storage_path>/<train.run_name>/best."""
-    return storage.join(run_uri(cfg), BEST_DIR)
+    return RunFolder.of(cfg).best
+
+
+# ----------------------------------------------------------------------------- a run's checkpoints
+
+
+@dataclass
+class Found:
+    """A checkpoint folder in a run folder."""
+
+    name: str
+    uri: str
+    epoch: int | None  # from its meta.json; None when meta.json is missing or unreadable
+    attempt: int  # the attempt that wrote it (0: unknown, written before attempts were counted)
+    registered: bool  # Ray Train's snapshot names it: only Ray may remove it
+
+
+def scan_run(run_uri: str, registered: set[str] = frozenset()) -> list[Found]:
+    """Every checkpoint folder of the run, newest first (by epoch, then attempt, then name)."""
+    found = []
+    for uri in RunFolder(run_uri).checkpoint_folders():
+        name = folder_name(uri)
+        try:
+            meta = read_meta(uri)
+            epoch, attempt = int(meta["epoch"]), int(meta.get("run_state", {}).get("attempt", 0))
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            epoch, attempt = None, 0
+        found.append(Found(name, uri, epoch, attempt, name in registered))
+    return sorted(found, key=lambda f: (-1 if f.epoch is None else f.epoch, f.attempt, f.name), reverse=True)
+
+
+def complete_folders(run_uri: str):
+    """The run's checkpoint folders whose files all match their checksums, newest first (no probe check)."""
+    for folder in scan_run(run_uri):
+        if folder.epoch is None:
+            continue
+        try:
+            read_checkpoint(folder.uri, with_optimizer=True)
+        except CheckpointError:
+            continue
+        yield folder
+
+
+def newest_complete(run_uri: str) -> Found | None:
+    """The newest checkpoint folder of the run whose files all match their checksums (no probe check)."""
+    return next(complete_folders(run_uri), None)

@@ -310,6 +310,8 @@ class OptimConfig:
         _check(self.step_epochs >= 1, "optim.step_epochs must be >= 1")
         _check_range("optim.gamma", self.gamma, 0.0, 1.0)
         _check(self.clip_value > 0, "optim.clip_value must be > 0")
+        for key in ("module_lr_mult", "proxy_lr_mult", "backbone_lr_mult"):
+            _check(getattr(self, key) > 0, f"optim.{key}={getattr(self, key)!r} must be > 0")
         _check(self.head_lr_mult is None or self.head_lr_mult > 0,
                f"optim.head_lr_mult={self.head_lr_mult!r} must be > 0, or null (= module_lr_mult)")
         _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps!r} must be >= 0 (0: none)")
@@ -673,14 +675,6 @@ class Config:
     embed: EmbedConfig = field(default_factory=EmbedConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 
-    def __post_init__(self) -> None:
-        size = self.model.backbone.img_size
-        need = int(size * 256 / 224)  # images.eval_resize_size (config sits below puma.data: no import)
-        _check(not self.data.prepare_max_side or self.data.prepare_max_side >= need,
-               f"data.prepare_max_side={self.data.prepare_max_side} would store images smaller than the "
-               f"{need} px the eval view of model.backbone.img_size={size} resizes to; use 0 (off) or >= "
-               f"{need} (about {round(size * 2.3)} keeps the training crops' resolution)")
-
 
 # ----------------------------------------------------------------------------- machinery
 
@@ -934,11 +928,6 @@ def _merge(dst: dict, src: dict, prefix: str = "") -> None:
 def dump_yaml(cfg: Any) -> str:
     """The resolved config as YAML text (saved beside every artifact)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def run_uri(cfg: Config) -> str:
-    """A run's folder (checkpoints, best/, logs, data rejects): <train.storage_path>/<train.run_name>."""
-    return storage.join(cfg.train.storage_path, cfg.train.run_name)
 
 
 # Config keys that hold local-or-remote locations; relative local paths are made absolute at the

@@ -24,7 +24,7 @@ PACKAGE = "puma"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("puma", "puma.errors"),  # the package root (library_versions); the family of user errors
     ("puma.storage", "puma.distributed", "puma.console"),  # foundations: URIs, ranks, the console
-    ("puma.config", "puma.runtime"),  # typed config (reads YAML through storage); starting/joining Ray
+    ("puma.config", "puma.runtime", "puma.run_folder"),  # typed config; starting/joining Ray; a run's folder
     ("puma.data", "puma.models", "puma.losses", "puma.optim"),  # building blocks
     ("puma.methods",),  # one record per method: composes models, losses, data (pseudo-labels)
     ("puma.checkpoint", "puma.cli"),  # rebuild a method's model; a job's config with its method's checks

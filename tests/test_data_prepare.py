@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from puma import methods
 from puma.config import load_config
 from puma.data import schema
 from puma.data.manifest import DataNotPreparedError, load_manifest, verify_shards
@@ -302,7 +303,7 @@ def test_prepare_max_side_is_part_of_the_spec_and_checked_against_the_view(tmp_p
     with pytest.raises(ConfigError, match=r"shrunk to 200 px \(data.prepare_max_side\), less than the 256"):
         shrunk.check_view_size(224)
     with pytest.raises(ConfigError, match="prepare_max_side=100 would store images smaller than the 128"):
-        load_config(None, [*base, "data.prepare_max_side=100"])
+        methods.load_config(None, [*base, "data.prepare_max_side=100"])  # what every job loads
 
 
 def test_jpeg_draft_decoding_keeps_embeddings_at_224_px(tmp_path):

@@ -209,8 +209,7 @@ def finish(driver: subprocess.Popen, log: Path, timeout: float = 600) -> str:
 
 def run_state(run: str) -> dict:
     """The run state of the newest checkpoint of s3://BUCKET/runs/<run>."""
-    from puma.checkpoint import read_checkpoint
-    from puma.train.recovery import newest_complete
+    from puma.checkpoint import newest_complete, read_checkpoint
 
     newest = newest_complete(f"s3://{BUCKET}/runs/{run}")
     assert newest is not None, f"no complete checkpoint in run {run}"
@@ -235,7 +234,7 @@ def complete_epochs_at(run_uri: str) -> list[int]:
     every file matches the sha256 its meta.json lists. meta.json alone does not mark a complete folder:
     Ray Train uploads a reported checkpoint's files in no set order (a kill right after meta.json
     appeared on S3 once left a folder recovery rightly refused). Tiny files: cheap enough to poll."""
-    from puma.train.recovery import complete_folders
+    from puma.checkpoint import complete_folders
 
     return sorted(found.epoch for found in complete_folders(run_uri))
 
@@ -451,8 +450,7 @@ def test_a_sweep_across_nodes_killed_and_restored_continues_every_trial(cluster,
         records = [json.loads(storage.read_text(u)) for u in sorted(storage.list_files(f"{run}/attempts"))]
         assert records[-1]["after_epoch"] == max(epochs), (trial, records[-1], epochs)
         nodes |= {w["node_id"] for w in records[0]["workers"]}
-        from puma.checkpoint import read_checkpoint
-        from puma.train.recovery import newest_complete
+        from puma.checkpoint import newest_complete, read_checkpoint
 
         history = read_checkpoint(newest_complete(run).uri).meta["run_state"]["history"]
         assert [h["epoch"] for h in history] == [1, 2] and \

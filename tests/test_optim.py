@@ -151,3 +151,11 @@ def test_warmup_ramps_every_group_linearly_then_hands_back_to_the_epoch_schedule
     assert warmup_factor(0, 0) == 1.0 and warmup_factor(9, 10) == 1.0
     with pytest.raises(Exception, match="warmup_steps"):
         OptimConfig(warmup_steps=-1)
+
+
+@pytest.mark.parametrize("key", ["module_lr_mult", "proxy_lr_mult", "backbone_lr_mult", "head_lr_mult"])
+def test_a_learning_rate_multiplier_that_is_not_positive_is_refused_when_the_config_loads(key):
+    from puma.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"optim.{key}=-1.0 must be > 0"):  # AdamW would take it silently
+        load_config(None, [f"optim.{key}=-1"])

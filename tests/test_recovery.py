@@ -22,13 +22,12 @@ from tiny import tiny_config
 
 from puma import storage
 from puma.checkpoint import (
-    BEST_DIR,
-    POINTER_FILE,
     CheckpointError,
     CheckpointState,
     IncompleteCheckpointError,
     best_record,
     load_model,
+    newest_complete,
     probe_embeddings,
     publish_best,
     read_checkpoint,
@@ -36,6 +35,7 @@ from puma.checkpoint import (
 )
 from puma.methods import build_model
 from puma.models.trainable import trainable_state_dict
+from puma.run_folder import BEST, BEST_POINTER, checkpoint_name, folder_name, version_label
 from puma.train import recovery
 
 METRIC = "harmonic/r@1"
@@ -60,7 +60,7 @@ def tiny_state(epoch: int, attempt: int = 1, value: float = 0.5, seed: int | Non
 
 def write(run: str, epoch: int, attempt: int = 1, **kwargs) -> str:
     """A complete checkpoint folder named as the worker loop names it."""
-    return save_checkpoint(storage.join(run, recovery.checkpoint_dir_name(epoch, attempt)),
+    return save_checkpoint(storage.join(run, checkpoint_name(epoch, attempt)),
                            tiny_state(epoch, attempt, **kwargs))
 
 
@@ -74,7 +74,7 @@ def run_uri(request, tmp_path):
 
 
 def names(uris: list[str]) -> list[str]:
-    return [recovery.folder_name(u) for u in uris]
+    return [folder_name(u) for u in uris]
 
 
 # ----------------------------------------------------------------------------- complete or not
@@ -105,21 +105,21 @@ def test_the_newest_complete_checkpoint_wins_over_rays_and_incomplete_ones_are_r
     epoch 4 was cut off mid-write. The run continues after epoch 3."""
     for epoch in (1, 2, 3, 4):
         write(run_uri, epoch)
-    cut = storage.join(run_uri, recovery.checkpoint_dir_name(4, 1))
+    cut = storage.join(run_uri, checkpoint_name(4, 1))
     storage.delete(storage.join(cut, "meta.json"))
-    registered = {recovery.checkpoint_dir_name(1, 1)}
+    registered = {checkpoint_name(1, 1)}
 
-    plan, state = recovery.plan_resume(run_uri, recovery.checkpoint_dir_name(1, 1), registered, load_model)
+    plan, state = recovery.plan_resume(run_uri, checkpoint_name(1, 1), registered, load_model)
 
-    assert plan.source.name == recovery.checkpoint_dir_name(3, 1) and plan.epoch == 3
+    assert plan.source.name == checkpoint_name(3, 1) and plan.epoch == 3
     assert state[0] is not None and plan.ray_epoch == 1 and plan.attempt == 2
-    assert plan.incomplete == [recovery.checkpoint_dir_name(4, 1)]
-    assert names(plan.orphans) == [recovery.checkpoint_dir_name(2, 1)]  # Ray's epoch 1 is Ray's to remove
+    assert plan.incomplete == [checkpoint_name(4, 1)]
+    assert names(plan.orphans) == [checkpoint_name(2, 1)]  # Ray's epoch 1 is Ray's to remove
     assert plan.recomputed == 0
     lines = recovery.plan_summary(plan)
     assert lines[0] == f"resumed from {plan.source.uri} after epoch 3 (attempt 2)"
     assert "Ray Train's registered checkpoint: after epoch 1" in lines[1]
-    assert recovery.remove_incomplete(plan, registered) == [recovery.checkpoint_dir_name(4, 1)]
+    assert recovery.remove_incomplete(plan, registered) == [checkpoint_name(4, 1)]
     assert not storage.exists(cut)
     record = json.loads(storage.read_text(recovery.record_attempt(plan)))
     assert (record["attempt"], record["resumed_from"], record["after_epoch"]) == (2, plan.source.name, 3)
@@ -130,21 +130,21 @@ def test_a_checkpoint_that_does_not_reproduce_its_probe_is_skipped_and_counted(r
         write(run_uri, epoch)
     bad = tiny_state(3)
     bad.meta["probe"] = [[v + 0.5 for v in row] for row in bad.meta["probe"]]  # another backbone's
-    save_checkpoint(storage.join(run_uri, recovery.checkpoint_dir_name(3, 1)), bad)
+    save_checkpoint(storage.join(run_uri, checkpoint_name(3, 1)), bad)
 
     plan, _ = recovery.plan_resume(run_uri, None, set(), load_model)
 
     assert plan.epoch == 2 and plan.recomputed == 1
-    assert [name for name, _ in plan.skipped] == [recovery.checkpoint_dir_name(3, 1)]
+    assert [name for name, _ in plan.skipped] == [checkpoint_name(3, 1)]
     assert "does not reproduce its embeddings" in plan.skipped[0][1]
-    assert storage.exists(storage.join(run_uri, recovery.checkpoint_dir_name(3, 1)))  # kept: not debris
+    assert storage.exists(storage.join(run_uri, checkpoint_name(3, 1)))  # kept: not debris
 
 
 def test_complete_checkpoints_that_fit_no_model_stop_the_run_instead_of_a_fresh_start(tmp_path):
     run = str(tmp_path / "run")
     bad = tiny_state(1)
     bad.meta["probe"] = [[v + 0.5 for v in row] for row in bad.meta["probe"]]
-    save_checkpoint(storage.join(run, recovery.checkpoint_dir_name(1, 1)), bad)
+    save_checkpoint(storage.join(run, checkpoint_name(1, 1)), bad)
     with pytest.raises(CheckpointError, match="none fits this model, so the run cannot continue and will not "
                                               "start over"):
         recovery.plan_resume(run, None, set(), load_model)
@@ -163,12 +163,12 @@ def test_a_fresh_run_and_one_with_only_debris_start_at_epoch_one(tmp_path):
 
 def test_the_newest_complete_checkpoint_of_a_run_skips_damaged_ones(tmp_path):
     run = str(tmp_path / "run")
-    assert recovery.newest_complete(run) is None
+    assert newest_complete(run) is None
     for epoch in (1, 2, 3):
         write(run, epoch)
-    model = Path(run) / recovery.checkpoint_dir_name(3, 1) / "model.safetensors"
+    model = Path(run) / checkpoint_name(3, 1) / "model.safetensors"
     model.write_bytes(model.read_bytes()[:100])
-    assert recovery.newest_complete(run).epoch == 2
+    assert newest_complete(run).epoch == 2
 
 
 def test_attempts_are_numbered_past_every_record_and_checkpoint(tmp_path):
@@ -188,22 +188,22 @@ def test_retention_removes_unregistered_folders_once_outranked_and_never_a_regis
     ours to remove as soon as they fall out of the newest two (keep=2), the source included."""
     for epoch in (1, 2, 3, 4):
         write(run_uri, epoch)
-    incomplete = storage.join(run_uri, recovery.checkpoint_dir_name(5, 1))
+    incomplete = storage.join(run_uri, checkpoint_name(5, 1))
     storage.write_text(storage.join(incomplete, "model.safetensors"), "partial")
-    registered = {recovery.checkpoint_dir_name(1, 1), recovery.checkpoint_dir_name(5, 1)}
-    plan, _ = recovery.plan_resume(run_uri, recovery.checkpoint_dir_name(1, 1), registered, load_model)
-    assert plan.epoch == 4 and names(plan.orphans) == [recovery.checkpoint_dir_name(e, 1) for e in (3, 2)]
+    registered = {checkpoint_name(1, 1), checkpoint_name(5, 1)}
+    plan, _ = recovery.plan_resume(run_uri, checkpoint_name(1, 1), registered, load_model)
+    assert plan.epoch == 4 and names(plan.orphans) == [checkpoint_name(e, 1) for e in (3, 2)]
     assert [f.epoch for f in plan.behind] == [4, 3, 2, 1]
     assert recovery.remove_incomplete(plan, registered) == []  # Ray's snapshot names it: Ray's to remove
 
     retention = recovery.Retention(keep=2, behind=plan.behind)
     # one new checkpoint: the newest two are it and the source 4; 3 and 2 are outranked
-    assert names(retention.after_checkpoint()) == [recovery.checkpoint_dir_name(e, 1) for e in (3, 2)]
+    assert names(retention.after_checkpoint()) == [checkpoint_name(e, 1) for e in (3, 2)]
     # two new ones: the source is outranked too (Ray never registered it, so Ray would never remove it)
-    assert names(retention.after_checkpoint()) == [recovery.checkpoint_dir_name(4, 1)]
+    assert names(retention.after_checkpoint()) == [checkpoint_name(4, 1)]
     assert retention.after_checkpoint() == []
     left = sorted(names(storage.list_dirs(run_uri)))
-    assert left == [recovery.checkpoint_dir_name(e, 1) for e in (1, 5)]  # registered: Ray's retention
+    assert left == [checkpoint_name(e, 1) for e in (1, 5)]  # registered: Ray's retention
 
 
 def test_retention_keeps_a_registered_source_and_removes_an_outranked_orphan_at_once(run_uri):
@@ -211,22 +211,22 @@ def test_retention_keeps_a_registered_source_and_removes_an_outranked_orphan_at_
     attempt writes only epoch 5; 3 must go after that one checkpoint, not wait for two."""
     for epoch in (2, 3, 4):
         write(run_uri, epoch)
-    registered = {recovery.checkpoint_dir_name(e, 1) for e in (2, 4)}
-    plan, _ = recovery.plan_resume(run_uri, recovery.checkpoint_dir_name(4, 1), registered, load_model)
+    registered = {checkpoint_name(e, 1) for e in (2, 4)}
+    plan, _ = recovery.plan_resume(run_uri, checkpoint_name(4, 1), registered, load_model)
     retention = recovery.Retention(keep=2, behind=plan.behind)
-    assert names(retention.after_checkpoint()) == [recovery.checkpoint_dir_name(3, 1)]
-    assert sorted(names(storage.list_dirs(run_uri))) == [recovery.checkpoint_dir_name(e, 1) for e in (2, 4)]
+    assert names(retention.after_checkpoint()) == [checkpoint_name(3, 1)]
+    assert sorted(names(storage.list_dirs(run_uri))) == [checkpoint_name(e, 1) for e in (2, 4)]
 
 
 # ----------------------------------------------------------------------------- best/
 
 
 def test_best_is_replaced_through_a_pointer_and_reads_like_a_checkpoint(run_uri):
-    best = storage.join(run_uri, BEST_DIR)
+    best = storage.join(run_uri, BEST)
     assert best_record(best, METRIC) is None
-    first = publish_best(best, tiny_state(1, value=0.4), recovery.best_label(1, 1))
-    second = publish_best(best, tiny_state(2, value=0.6), recovery.best_label(2, 1))
-    third = publish_best(best, tiny_state(3, value=0.7), recovery.best_label(3, 1))
+    first = publish_best(best, tiny_state(1, value=0.4), version_label(1, 1))
+    second = publish_best(best, tiny_state(2, value=0.6), version_label(2, 1))
+    third = publish_best(best, tiny_state(3, value=0.7), version_label(3, 1))
     assert best_record(best, METRIC)["epoch"] == 3 and best_record(best, METRIC)["value"] == 0.7
     assert read_checkpoint(best).meta["epoch"] == 3 and read_checkpoint(best).optimizer is None
     load_model(best)  # probe reproduced
@@ -236,12 +236,12 @@ def test_best_is_replaced_through_a_pointer_and_reads_like_a_checkpoint(run_uri)
 
 
 def test_best_of_the_old_layout_is_read_and_replaced(tmp_path):
-    best = str(tmp_path / "run" / BEST_DIR)
+    best = str(tmp_path / "run" / BEST)
     save_checkpoint(best, tiny_state(2, value=0.5))  # best/ as a plain checkpoint folder
     assert best_record(best, METRIC)["epoch"] == 2
-    publish_best(best, tiny_state(3, value=0.6), recovery.best_label(3, 1))
+    publish_best(best, tiny_state(3, value=0.6), version_label(3, 1))
     assert read_checkpoint(best).meta["epoch"] == 3
-    assert sorted(p.name for p in Path(best).iterdir() if p.is_file()) == [POINTER_FILE]
+    assert sorted(p.name for p in Path(best).iterdir() if p.is_file()) == [BEST_POINTER]
 
 
 class Fault(Exception):
@@ -250,7 +250,7 @@ class Fault(Exception):
 
 def test_a_crash_before_any_write_of_a_best_publish_leaves_the_old_or_the_new_best(run_uri, monkeypatch):
     """Fail every storage write or delete of ``publish_best`` in turn, as a kill before it would."""
-    best = storage.join(run_uri, BEST_DIR)
+    best = storage.join(run_uri, BEST)
     publish_best(best, tiny_state(1, value=0.4), "old")
     real = {name: getattr(storage, name) for name in ("write_bytes", "delete")}
     calls = {"n": 0, "fail_at": -1}
@@ -307,7 +307,7 @@ def _publish_forever(best: str, states: list[CheckpointState], ready) -> None:
 
 def test_best_survives_sigkill_at_random_moments_of_its_writes(tmp_path):
     """20 real SIGKILLs of a process that keeps replacing best/: it always reads as one of the two."""
-    best = str(tmp_path / "run" / BEST_DIR)
+    best = str(tmp_path / "run" / BEST)
     states = [tiny_state(1, value=0.4), tiny_state(2, value=0.6)]
     probes = {s.meta["epoch"]: torch.tensor(s.meta["probe"]) for s in states}
     publish_best(best, states[0], "first")
@@ -329,28 +329,28 @@ def test_best_survives_sigkill_at_random_moments_of_its_writes(tmp_path):
     assert seen == {1, 2}
     publish_best(best, states[1], "last")  # the next publish clears what the kills left behind
     assert len([p for p in Path(best).iterdir() if p.is_dir()]) == 2
-    assert sorted(p.name for p in Path(best).iterdir() if p.is_file()) == [POINTER_FILE]
+    assert sorted(p.name for p in Path(best).iterdir() if p.is_file()) == [BEST_POINTER]
 
 
 def test_a_resume_finishes_a_best_write_that_a_crash_cut_off(tmp_path):
     """Epoch 3 improved: its checkpoint is complete, best/ still holds epoch 2 (the crash fell between)."""
-    best = str(tmp_path / "run" / BEST_DIR)
+    best = str(tmp_path / "run" / BEST)
     publish_best(best, tiny_state(2, value=0.5), "e2")
     resumed = tiny_state(3, value=0.6)  # its run state names itself the best
-    got = recovery.reconcile_best(best, METRIC, 0.6, 3, resumed, recovery.best_label(3, 2))
+    got = recovery.reconcile_best(best, METRIC, 0.6, 3, resumed, version_label(3, 2))
     assert (got.value, got.epoch, got.published) == (0.6, 3, True)
     assert best_record(best, METRIC)["epoch"] == 3
     # a later resume from epoch 4 (not an improvement) carries on with what best/ holds
     later = tiny_state(4, value=0.55, best_epoch=3)
-    got = recovery.reconcile_best(best, METRIC, 0.6, 3, later, recovery.best_label(4, 3))
+    got = recovery.reconcile_best(best, METRIC, 0.6, 3, later, version_label(4, 3))
     assert (got.value, got.epoch, got.published) == (0.6, 3, False)
     # best/ holds more than the checkpoint knows (it is older than best/): best/ is the bar
     older = tiny_state(1, value=0.3)
-    got = recovery.reconcile_best(best, METRIC, 0.3, 1, older, recovery.best_label(1, 4))
+    got = recovery.reconcile_best(best, METRIC, 0.3, 1, older, version_label(1, 4))
     assert (got.value, got.epoch, got.published) == (0.6, 3, False)
     # best/ whose version folder was removed by hand: reported, and the next evaluated epoch replaces it
     storage.delete(best_record(best, METRIC)["checkpoint"])
-    got = recovery.reconcile_best(best, METRIC, 0.6, 3, later, recovery.best_label(4, 5))
+    got = recovery.reconcile_best(best, METRIC, 0.6, 3, later, version_label(4, 5))
     assert (got.value, got.epoch) == (float("-inf"), 0) and "meta.json is missing" in got.unreadable
 
 

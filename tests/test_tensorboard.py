@@ -8,12 +8,13 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from puma import storage
+from puma.run_folder import RunFolder
 from puma.train import loop
 
 
 def _scalars(run_uri: str, into: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of the run's event files as stored (downloaded from S3 first): tag -> [(step, value)]."""
-    files = storage.list_files(storage.join(run_uri, "tensorboard"))
+    files = storage.list_files(RunFolder(run_uri).tensorboard)
     assert files, f"no event files under {run_uri}/tensorboard"
     into.mkdir(parents=True)
     for i, uri in enumerate(files):
@@ -26,7 +27,7 @@ def _scalars(run_uri: str, into: Path) -> dict[str, list[tuple[int, float]]]:
 def test_two_s3_runs_in_one_process_keep_their_tensorboard_events_apart(s3_storage, tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "_writers", {})
     runs = {"a": storage.join(s3_storage, "trials", "a"), "b": storage.join(s3_storage, "trials", "b")}
-    stale = Path(loop.tensorboard_staging(runs["a"]), "tensorboard")  # left by an earlier process
+    stale = Path(RunFolder(runs["a"]).tensorboard_staging())  # left by an earlier process
     stale.mkdir(parents=True, exist_ok=True)
     (stale / "events.out.tfevents.0.stale").write_bytes(b"not this run's")
     for epoch in (1, 2):
@@ -34,7 +35,7 @@ def test_two_s3_runs_in_one_process_keep_their_tensorboard_events_apart(s3_stora
             loop._write_tensorboard({"run_uri": uri}, {"loss": 10.0 * offset + epoch, f"only/{name}": 1.0,
                                                        "note": "not a scalar"}, epoch)
     for offset, (name, uri) in enumerate(runs.items()):
-        files = storage.list_files(storage.join(uri, "tensorboard"))
+        files = storage.list_files(RunFolder(uri).tensorboard)
         assert len(files) == 1 and files[0].rsplit("/", 1)[-1].startswith("events.out.tfevents."), files
         assert not files[0].endswith(".stale")
         scalars = _scalars(uri, tmp_path / name)

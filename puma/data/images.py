@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
+from puma.config import ConfigError
 from puma.data import schema
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is a reject, never a grey-padded image
@@ -98,6 +99,15 @@ def eval_view_spec(cfg, min_size: int | None = None) -> ViewSpec:
 def eval_resize_size(img_size: int) -> int:
     """Shorter side before the eval center crop (256 for 224)."""
     return int(img_size * 256 / 224)
+
+
+def check_prepare_max_side(max_side: int, img_size: int) -> None:
+    """ConfigError unless prepare's shrink (data.prepare_max_side, 0: off) keeps the eval view's size."""
+    need = eval_resize_size(img_size)
+    if max_side and max_side < need:
+        raise ConfigError(f"data.prepare_max_side={max_side} would store images smaller than the {need} px "
+                          f"the eval view of model.backbone.img_size={img_size} resizes to; use 0 (off) or "
+                          f">= {need} (about {round(img_size * 2.3)} keeps the training crops' resolution)")
 
 
 @contextlib.contextmanager

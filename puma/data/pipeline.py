@@ -48,7 +48,6 @@ import ray.data
 from ray.data import FileShuffleConfig, RandomSeedConfig
 
 from puma import storage
-from puma.config import run_uri
 from puma.data import schema
 from puma.data.fewshot import select_shots
 from puma.data.images import (
@@ -64,6 +63,7 @@ from puma.data.images import (
 from puma.data.manifest import DataNotPreparedError, Manifest
 from puma.data.rejects import Reject, dumps, read_rejects, reject_counts
 from puma.data.splits import LabelMap, global_label_map, label_range
+from puma.run_folder import RunFolder
 
 __all__ = ["train_dataset", "eval_dataset", "read_rows", "global_label_map", "rejects_uri", "reject_log",
            "iter_options", "RejectLog"]
@@ -104,8 +104,7 @@ class RejectLog:
 
 def rejects_uri(cfg) -> str:
     """``data.rejects_uri``, or <train.storage_path>/<train.run_name>/data_rejects.jsonl."""
-    default = storage.join(run_uri(cfg), "data_rejects.jsonl")
-    return storage.absolute(cfg.data.rejects_uri or default)
+    return storage.absolute(cfg.data.rejects_uri or RunFolder.of(cfg).data_rejects)
 
 
 # (Ray job id, rejects uri) -> the RejectLog handle this process keeps for the job's lifetime

@@ -113,7 +113,12 @@ def build_loss(cfg: LossConfig, num_classes: int, embed_dim: int) -> MetricLoss:
         raise ValueError(f"num_classes={num_classes!r}: metric learning needs an int >= 2")
     if not (isinstance(embed_dim, int) and embed_dim >= 1):
         raise ValueError(f"embed_dim={embed_dim!r}: expected an int >= 1")
-    loss, miner = _BUILDERS[cfg.name](cfg, num_classes, embed_dim)
+    try:
+        loss, miner = _BUILDERS[cfg.name](cfg, num_classes, embed_dim)
+    except ValueError as exc:  # the loss's own rule, named by the config keys that feed it
+        why = str(exc)
+        key = why.split("=", 1)[0]
+        raise ValueError(f"loss.name={cfg.name!r}: {'loss.' if key.isidentifier() else ''}{why}") from exc
     if cfg.xbm_memory_size > 0:
         loss, miner = _with_xbm(cfg, loss, miner, embed_dim), None
     with_proxies = cfg.name in PROXY_LOSSES

@@ -38,6 +38,7 @@ from types import MappingProxyType
 
 from puma import config
 from puma.config import Config, ConfigError, ModelConfig
+from puma.data.images import check_prepare_max_side
 from puma.methods.adaptformer import ADAPTFORMER
 from puma.methods.bitfit import BITFIT
 from puma.methods.full_finetune import FULL_FINETUNE
@@ -107,7 +108,9 @@ def needs_labels(method: str) -> bool:
 
 
 def check_config(cfg: Config) -> None:
-    """Raise ConfigError (one line) when ``cfg.model.method`` is unknown or cannot train with ``cfg``."""
+    """Raise ConfigError (one line) when ``cfg.model.method`` is unknown or cannot train with ``cfg``, or
+    the data settings cannot feed its model (each rule lives in its own layer)."""
+    check_prepare_max_side(cfg.data.prepare_max_side, cfg.model.backbone.img_size)
     get_method(cfg.model.method).check_config(cfg)
 
 
@@ -116,6 +119,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """``puma.config.load_config``, then the checks of ``model.method``'s record (what every job's
     command line loads); an unknown method is left to the code that builds a model, which refuses it."""
     cfg = config.load_config(path, overrides, base)
+    check_prepare_max_side(cfg.data.prepare_max_side, cfg.model.backbone.img_size)
     if cfg.model.method in METHODS:
         check_config(cfg)
     return cfg

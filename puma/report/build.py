@@ -18,13 +18,13 @@ import numpy as np
 
 from puma import console, storage
 from puma.checkpoint import load_model, read_checkpoint
-from puma.config import Config, absolute_paths, dump_yaml, run_uri
+from puma.config import Config, absolute_paths, dump_yaml
 from puma.inference.grid import retrieval_grid, write_grid
 from puma.report import data, embeddings, figures
 from puma.report.page import THIS_RUN, ZERO_SHOT, PageContent, Picture, Section, render
-from puma.train.recovery import folder_name
+from puma.run_folder import RunFolder, folder_name
 
-PAGE_FILE, RECORD_FILE, REPORT_DIR = "index.html", "report.json", "report"
+PAGE_FILE, RECORD_FILE = "index.html", "report.json"
 
 
 @dataclass
@@ -81,10 +81,10 @@ class Inputs:
 def resolve_inputs(cfg: Config, options: data.ReportOptions) -> Inputs:
     """The run, checkpoint, index and out folder; other runs, sweep and few-shot files read (a missing
     run or an unreadable file fails here, before anything is embedded)."""
-    run = run_uri(cfg)
-    return Inputs(run=run, checkpoint=data.find_checkpoint(cfg, options.checkpoint, run),
+    run = RunFolder.of(cfg)
+    return Inputs(run=run.uri, checkpoint=data.find_checkpoint(cfg, options.checkpoint, run.uri),
                   index=storage.absolute(options.index or cfg.index.uri),
-                  out=storage.absolute(options.out) if options.out else storage.join(run, REPORT_DIR),
+                  out=storage.absolute(options.out) if options.out else run.report,
                   compare=data.compare_runs([storage.absolute(r) for r in options.compare]),
                   sweep=data.read_sweep(options.sweep) if options.sweep else None,
                   fewshot=data.read_fewshot(options.fewshot))

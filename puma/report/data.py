@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from puma import console, storage
-from puma.checkpoint import BEST_DIR, checkpoint_id, has_checkpoint, read_meta, resolve_checkpoint
+from puma.checkpoint import checkpoint_id, has_checkpoint, newest_complete, read_meta, resolve_checkpoint
 from puma.config import Config
 from puma.errors import UserError
 from puma.eval.index_eval import run_evaluation
 from puma.index.manifest import read_manifest
 from puma.index.versions import live_manifest, resolve
 from puma.inference.job import resolve_checkpoint as default_checkpoint
-from puma.train.recovery import folder_name, newest_complete
+from puma.run_folder import RunFolder
 
 KEEP_PROB = "model.adapter.keep_prob"  # the sweep column the keep-probability curve plots
 OBJECTIVE_COLUMN = 3  # trials.csv: trial_id, status, epochs, <objective>, <tuned keys>... (puma.sweep.report)
@@ -187,11 +187,11 @@ def compare_runs(runs: list[str]) -> dict[str, dict[str, float]]:
     """Name -> the metrics each run's best checkpoint recorded (names: the run folders' names)."""
     out: dict[str, dict[str, float]] = {}
     for run in runs:
-        best = storage.join(run, BEST_DIR)
+        best = RunFolder(run).best
         if not has_checkpoint(best):
             raise NoRunError(f"--compare {run}: no best checkpoint at {best}; name a run folder that "
                              "jobs/train.py wrote (<train.storage_path>/<train.run_name>)")
-        name = folder_name(run)
+        name = RunFolder(run).name
         while name in out or name in ("zero-shot", "this run"):
             name += "'"
         out[name] = metric_values(read_meta(best).get("metrics", {}))

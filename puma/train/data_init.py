@@ -14,6 +14,7 @@ the batches and the reduction.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -64,6 +65,22 @@ def start_from_data(cfg, model: nn.Module, loss: nn.Module, passes: Callable[[],
         done |= init_from_data(model, loss, passes(), device, labels_of, head=head, proxies=proxies,
                                reduce=reduce)
     return done
+
+
+def check_data_init(cfg, model: nn.Module) -> None:
+    """The data-driven starts ``cfg`` asks for, run on copies of the parts they set with stand-in
+    statistics (zero mean, identity covariance): a start the model cannot take (e.g. a PCA head wider
+    than the features) raises ValueError here, on the driver, not after a pass over the data in every
+    worker."""
+    dim = model.num_features
+    stand_in = (torch.zeros(dim), torch.eye(dim))
+    if pool_from_data(cfg):
+        pool = getattr(model, "prompt_pool", None)
+        if pool is None:
+            raise ValueError("model.prompt_pool.init=data needs a model with a prompt pool")
+        copy.deepcopy(pool).init_from_queries(*stand_in)
+    if cfg.model.head.init == "pca":
+        copy.deepcopy(model.head).init_from_features(*stand_in)
 
 
 def pool_from_data(cfg) -> bool:

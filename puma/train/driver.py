@@ -12,13 +12,13 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from puma import console, storage
-from puma.checkpoint import BEST_DIR, has_checkpoint, read_meta
-from puma.config import Config, ConfigError, absolute_paths, run_uri, to_dict
+from puma.checkpoint import has_checkpoint, newest_complete, read_meta
+from puma.config import Config, ConfigError, absolute_paths, to_dict
 from puma.errors import UserError
 from puma.methods import METHODS, check_config, get_method
-from puma.train.data_init import needs_data_init
+from puma.run_folder import RunFolder
+from puma.train.data_init import check_data_init, needs_data_init
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
-from puma.train.recovery import folder_name, newest_complete
 
 
 @dataclass
@@ -104,9 +104,9 @@ def data_config(cfg: Config) -> ray.train.DataConfig:
 
 def run_config(cfg: Config, callbacks: list | None = None) -> ray.train.RunConfig:
     """Storage (local or S3 through the one storage layer), failure handling, retention."""
-    path, filesystem = storage.ray_storage(cfg.train.storage_path)
+    path, name, filesystem = RunFolder.of(cfg).ray_storage()
     return ray.train.RunConfig(
-        name=cfg.train.run_name, storage_path=path, storage_filesystem=filesystem,
+        name=name, storage_path=path, storage_filesystem=filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.checkpoints_to_keep),
         callbacks=callbacks)
@@ -129,7 +129,7 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     label_map = global_label_map(manifest, cfg.data.val_fraction, cfg.data.datasets)
     mean, std = backbone_normalisation(cfg)
     datasets = {"train": ResumedStream(pipeline.train_dataset(cfg, manifest, label_map, mean, std),
-                                       run_uri(cfg), storage.current_config())}
+                                       RunFolder.of(cfg).uri, storage.current_config())}
     train_rows = pipeline.count_rows(cfg, manifest, "train")
     info: dict[str, Any] = {"num_classes": len(label_map),
                             "label_map": {f"{d}/{c}": i for (d, c), i in label_map.items()},
@@ -206,14 +206,16 @@ CHECK_CLASSES = 2  # the classes the driver's check builds a loss for (the data'
 
 def check_worker_build(cfg: Config, model) -> None:
     """Build on the driver what every worker builds from the config besides the model: the method's
-    train module with its loss, the optimiser over the trainable groups and its schedule. A config
-    they refuse (e.g. loss.xbm_memory_size with a proxy loss) fails here as a ConfigError, one line,
-    instead of as a traceback in every worker."""
+    data-driven starts (on copies, with stand-in statistics), the method's train module with its loss,
+    the optimiser over the trainable groups and its schedule. A config they refuse (e.g.
+    loss.xbm_memory_size with a proxy loss, a PCA head wider than the features) fails here as a
+    ConfigError, one line, instead of as a traceback in every worker."""
     from puma.methods import build_method_training
     from puma.models.trainable import trainable_parameter_groups
     from puma.optim import build_optimizer, build_scheduler
 
     try:
+        check_data_init(cfg, model)
         method = build_method_training(cfg, model, CHECK_CLASSES)
         optimizer = build_optimizer(trainable_parameter_groups(model), method.module.loss, cfg.optim)
         build_scheduler(optimizer, cfg.optim)
@@ -236,27 +238,27 @@ def run_training(cfg: Config, callbacks: list | None = None) -> TrainOutcome:
     if "eval_skipped" in info and cfg.train.eval_every > 0:
         print(f"[puma] training-time evaluation skipped: {info['eval_skipped']}", flush=True)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=0))
-    uri = run_uri(cfg)
+    run = RunFolder.of(cfg)
+    uri = run.uri
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": to_dict(cfg), "run_uri": uri, **info},
         scaling_config=scaling_config(cfg), run_config=run_config(cfg, callbacks), datasets=datasets,
         dataset_config=data_config(cfg))
     result = trainer.fit()
-    last, metrics = _last_checkpoint(uri, result)
-    best = storage.join(uri, BEST_DIR)
+    last, metrics = _last_checkpoint(run, result)
+    best = run.best
     if last is not None and not has_checkpoint(best):
         best = last  # nothing evaluated (e.g. an unlabeled catalogue): the last checkpoint is the result
     return TrainOutcome(run_uri=uri, best_checkpoint=best, last_checkpoint=last, metrics=metrics)
 
 
-def _last_checkpoint(uri: str, result) -> tuple[str | None, dict[str, Any]]:
+def _last_checkpoint(run: RunFolder, result) -> tuple[str | None, dict[str, Any]]:
     """The run's newest complete checkpoint and its metrics: Ray's, unless the run folder holds a newer
     one (a re-run that found every epoch done reports nothing new, and Ray's may lag storage)."""
     metrics = dict(result.metrics or {})
-    # Ray's path has no scheme on S3 ("bucket/key"): name the folder by the run's own URI instead
-    last = storage.join(uri, folder_name(result.checkpoint.path)) if result.checkpoint is not None else None
-    newest = newest_complete(uri)
+    last = run.child(result.checkpoint.path) if result.checkpoint is not None else None
+    newest = newest_complete(run.uri)
     if newest is not None and newest.epoch > metrics.get("epoch", 0):
         return newest.uri, read_meta(newest.uri).get("metrics", {})
     return last, metrics

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -19,7 +18,6 @@ import torch.nn.functional as F
 
 from puma import console, storage
 from puma.checkpoint import (
-    BEST_DIR,
     CheckpointError,
     CheckpointState,
     load_trainable,
@@ -37,6 +35,7 @@ from puma.eval.metrics import evaluate_embeddings
 from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
+from puma.run_folder import RunFolder, checkpoint_name, folder_name, version_label
 from puma.train import recovery
 from puma.train.data_init import needs_data_init, start_from_data
 from puma.train.step import train_step
@@ -151,10 +150,10 @@ def _plan_on_rank0(cfg: Config, module: TrainModule, run_uri: str, workers: list
     from ray.train import CheckpointConsistencyMode
 
     ray_checkpoint = ray.train.get_checkpoint()
-    ray_name = recovery.folder_name(ray_checkpoint.path) if ray_checkpoint is not None else None
+    ray_name = folder_name(ray_checkpoint.path) if ray_checkpoint is not None else None
     reported = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED,
                                                        timeout_s=60)
-    registered = {recovery.folder_name(r.checkpoint.path) for r in reported}
+    registered = {folder_name(r.checkpoint.path) for r in reported}
 
     def load(uri: str) -> CheckpointState:
         ckpt = read_checkpoint(uri, with_optimizer=True)
@@ -184,8 +183,8 @@ def _load_state(module: TrainModule, ckpt: CheckpointState, source: str) -> None
 
 def _reconcile_best(cfg: Config, run_uri: str, state: RunState, ckpt: CheckpointState | None) -> None:
     """Carry on with the best value and epoch of the model in best/ (finishing a cut-off best/ write)."""
-    best = recovery.reconcile_best(storage.join(run_uri, BEST_DIR), cfg.train.best_metric, state.best_value,
-                                   state.best_epoch, ckpt, recovery.best_label(state.epoch, state.attempt))
+    best = recovery.reconcile_best(RunFolder(run_uri).best, cfg.train.best_metric, state.best_value,
+                                   state.best_epoch, ckpt, version_label(state.epoch, state.attempt))
     state.best_value, state.best_epoch = best.value, best.epoch
     if best.published:
         _log(f"best/ was behind its checkpoint: published epoch {best.epoch} "
@@ -325,7 +324,7 @@ def _report(cfg: Config, module, optimizer, scheduler, state: RunState, metrics:
                "run/attempt": state.attempt, "run/resumes": state.resumes,
                "run/recomputed_epochs": state.recomputed_epochs,
                **{f"before/{k}": v for k, v in state.before.items()}}
-    name = recovery.checkpoint_dir_name(state.epoch, state.attempt)
+    name = checkpoint_name(state.epoch, state.attempt)
     if not _is_rank0():
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
@@ -343,37 +342,31 @@ def _report(cfg: Config, module, optimizer, scheduler, state: RunState, metrics:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=name)
     if improved:
-        best_uri = storage.join(loop_config["run_uri"], BEST_DIR)
-        publish_best(best_uri, ckpt, recovery.best_label(state.epoch, state.attempt))
+        best_uri = RunFolder(loop_config["run_uri"]).best
+        publish_best(best_uri, ckpt, version_label(state.epoch, state.attempt))
     for uri in retention.after_checkpoint():
-        _log(f"removed {recovery.folder_name(uri)}: an earlier attempt's checkpoint Ray never registered "
+        _log(f"removed {folder_name(uri)}: an earlier attempt's checkpoint Ray never registered "
              f"(train.checkpoints_to_keep={cfg.train.checkpoints_to_keep})")
 
 
 def _write_tensorboard(loop_config: dict, metrics: dict, epoch: int) -> None:
-    """Scalars for TensorBoard under <run>/tensorboard (written locally, then copied to S3 if needed)."""
+    """Scalars for TensorBoard in the run's tensorboard/ (an s3:// run's are staged in a local folder of
+    its own, then uploaded)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    run_uri = loop_config["run_uri"]
-    on_s3 = storage.is_s3(run_uri)
-    local = tensorboard_staging(run_uri) if on_s3 else run_uri
+    run = RunFolder(loop_config["run_uri"])
+    on_s3 = storage.is_s3(run.uri)
+    local = run.tensorboard_staging() if on_s3 else run.tensorboard
     if local not in _writers:
         if on_s3:  # what an earlier process staged is on S3 already (or from a deleted run)
             shutil.rmtree(local, ignore_errors=True)
-        _writers[local] = SummaryWriter(log_dir=os.path.join(local, "tensorboard"))
+        _writers[local] = SummaryWriter(log_dir=local)
     writer = _writers[local]
     for key, value in metrics.items():
         if isinstance(value, (int, float)) and np.isfinite(value):
             writer.add_scalar(key, value, epoch)
     writer.flush()
     if on_s3:
-        for path in storage.list_files(os.path.join(local, "tensorboard")):
-            rel = os.path.relpath(path, local)
-            storage.write_bytes(storage.join(run_uri, rel), storage.read_bytes(path))
-
-
-def tensorboard_staging(run_uri: str) -> str:
-    """The local folder where an S3 run's event files are written before each upload: one per run,
-    so runs on one node (sweep trials) never upload each other's events."""
-    return os.path.join(tempfile.gettempdir(), "puma-tb", hashlib.sha256(run_uri.encode()).hexdigest()[:16])
-
+        for path in storage.list_files(local):
+            storage.write_bytes(storage.join(run.tensorboard, os.path.relpath(path, local)),
+                                storage.read_bytes(path))

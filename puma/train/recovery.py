@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -48,75 +48,15 @@ from puma import storage
 from puma.checkpoint import (
     CheckpointError,
     CheckpointState,
+    Found,
     IncompleteCheckpointError,
     best_record,
     publish_best,
-    read_checkpoint,
-    read_meta,
+    scan_run,
 )
+from puma.run_folder import RunFolder, folder_name
 
 T = TypeVar("T")
-CHECKPOINT_PREFIX = "checkpoint_"  # Ray Train checkpoint folders under the run folder
-ATTEMPTS_DIR = "attempts"  # <run>/attempts/attempt_0003.json: what each attempt started from
-
-
-def checkpoint_dir_name(epoch: int, attempt: int) -> str:
-    """The folder name of the checkpoint written after ``epoch`` by ``attempt`` (unique per run)."""
-    return f"{CHECKPOINT_PREFIX}epoch{epoch:04d}_attempt{attempt:03d}"
-
-
-def best_label(epoch: int, attempt: int) -> str:
-    """The name stem of a best/ version: the epoch it finished and the attempt that wrote it."""
-    return f"epoch{epoch:04d}_attempt{attempt:03d}"
-
-
-def folder_name(uri: str) -> str:
-    """The last path component of a folder URI."""
-    return str(uri).rstrip("/").rsplit("/", 1)[-1]
-
-
-@dataclass
-class Found:
-    """A checkpoint folder in the run folder."""
-
-    name: str
-    uri: str
-    epoch: int | None  # from its meta.json; None when meta.json is missing or unreadable
-    attempt: int  # the attempt that wrote it (0: unknown, written before attempts were counted)
-    registered: bool  # Ray Train's snapshot names it: only Ray may remove it
-
-
-def scan_run(run_uri: str, registered: set[str]) -> list[Found]:
-    """Every checkpoint folder of the run, newest first (by epoch, then attempt, then name)."""
-    found = []
-    for uri in storage.list_dirs(run_uri):
-        name = folder_name(uri)
-        if not name.startswith(CHECKPOINT_PREFIX):
-            continue
-        try:
-            meta = read_meta(uri)
-            epoch, attempt = int(meta["epoch"]), int(meta.get("run_state", {}).get("attempt", 0))
-        except (CheckpointError, KeyError, TypeError, ValueError):
-            epoch, attempt = None, 0
-        found.append(Found(name, uri, epoch, attempt, name in registered))
-    return sorted(found, key=lambda f: (-1 if f.epoch is None else f.epoch, f.attempt, f.name), reverse=True)
-
-
-def complete_folders(run_uri: str) -> Iterator[Found]:
-    """The run's checkpoint folders whose files all match their checksums, newest first (no probe check)."""
-    for folder in scan_run(run_uri, set()):
-        if folder.epoch is None:
-            continue
-        try:
-            read_checkpoint(folder.uri, with_optimizer=True)
-        except CheckpointError:
-            continue
-        yield folder
-
-
-def newest_complete(run_uri: str) -> Found | None:
-    """The newest checkpoint folder of the run whose files all match their checksums (no probe check)."""
-    return next(complete_folders(run_uri), None)
 
 
 @dataclass
@@ -196,16 +136,13 @@ def plan_resume(run_uri: str, ray_checkpoint: str | None, registered: set[str],
 
 
 def next_attempt(run_uri: str, found: list[Found]) -> int:
-    """One more than any attempt recorded in <run>/attempts/ or in a checkpoint's run state."""
-    records = storage.list_files(storage.join(run_uri, ATTEMPTS_DIR), suffix=".json", recursive=False)
-    numbers = [int(folder_name(u)[len("attempt_"):-len(".json")]) for u in records
-               if folder_name(u).startswith("attempt_")]
-    return max(numbers + [f.attempt for f in found], default=0) + 1
+    """One more than any attempt recorded in the run's attempts/ or in a checkpoint's run state."""
+    return max(RunFolder(run_uri).recorded_attempts() + [f.attempt for f in found], default=0) + 1
 
 
 def record_attempt(plan: ResumePlan) -> str:
-    """Write <run>/attempts/attempt_<K>.json: what this attempt continues from, and what it found."""
-    uri = storage.join(plan.run_uri, ATTEMPTS_DIR, f"attempt_{plan.attempt:04d}.json")
+    """Write the run's attempt record: what this attempt continues from, and what it found."""
+    uri = RunFolder(plan.run_uri).attempt_record(plan.attempt)
     storage.write_text(uri, json.dumps(plan.record(), indent=2, sort_keys=True))
     return uri
 
@@ -214,7 +151,7 @@ def remove_incomplete(plan: ResumePlan, registered: set[str]) -> list[str]:
     """Remove the incomplete folders Ray never registered (debris of a kill during a write)."""
     removed = [name for name in plan.incomplete if name not in registered]
     for name in removed:
-        storage.delete(storage.join(plan.run_uri, name))
+        storage.delete(RunFolder(plan.run_uri).child(name))
     return removed
 
 
