@@ -2,16 +2,19 @@
 
     python bench/bench_embed.py                   # 1,500 CUB photos, offline ViT-S/14 at 112 px
     python bench/bench_embed.py --model tiny      # a tiny ViT (measures the job's own overhead)
+    python bench/bench_embed.py --runtime onnx    # one runtime only (default: torch and onnx)
 
-Rows:
+Rows, per runtime (torch: PyTorch eager; onnx: ONNX Runtime fp32 on CPU, puma.export):
 
     bare loop   one process: read each file, decode + eval view (PIL), model forward in batches
-                of --batch-size, torch threads = --cpus; no Ray, nothing written
-    whole job   puma.inference.embed_catalogue on a local Ray (started before timing): listing,
-                Ray Data read + decode tasks, one Embedder actor (model loaded inside the timed
-                region, torch threads = --cpus), index commits (Parquet, FAISS, checksums, manifest)
+                of --batch-size, --cpus threads; no Ray, nothing written
+    whole job   puma.inference.embed_catalogue on a local Ray (started before timing) with
+                embed.runtime: listing, Ray Data read + decode tasks, one Embedder actor (model
+                loaded inside the timed region, --cpus threads), index commits (Parquet, FAISS,
+                checksums, manifest)
 
-ratio = job images/s / bare images/s (1.0: the job costs nothing over the model). The checkpoint
+ratio = job images/s / bare images/s of the same runtime (1.0: the job costs nothing over the
+model). The runtimes run one after the other: compare each job with its own bare loop. The checkpoint
 is built here from the backbone with freshly initialised PUMA modules (throughput does not depend
 on trained values).
 """
@@ -81,32 +84,62 @@ def make_catalogue(root: Path, n: int) -> list[Path]:
     return out
 
 
-@torch.no_grad()
-def bare_loop(model: torch.nn.Module, cfg, files: list[Path], batch_size: int) -> float:
-    """Seconds to read, decode, view and embed every file in one process."""
+def bare_loop(forward, cfg, files: list[Path], batch_size: int) -> float:
+    """Seconds to read, decode, view and embed every file in one process (``forward``: views -> vectors)."""
     mean, std = backbone_normalisation(cfg)
     spec = ViewSpec(img_size=cfg.model.backbone.img_size, mean=mean, std=std, train=False)
     start = time.perf_counter()
     for i in range(0, len(files), batch_size):
-        views = np.stack([make_view(f.read_bytes(), spec) for f in files[i:i + batch_size]])  # (B, 3, S, S)
-        model(torch.from_numpy(views))
+        forward(np.stack([make_view(f.read_bytes(), spec) for f in files[i:i + batch_size]]))  # (B, 3, S, S)
     return time.perf_counter() - start
 
 
-def whole_job(ckpt: str, catalogue: Path, index: Path, cpus: int, batch_size: int):
+def forward_fn(runtime: str, model: torch.nn.Module, cfg, threads: int):
+    """The bare loop's model call: PyTorch eager, or an ONNX Runtime session of the exported model."""
+    if runtime == "onnx":
+        from puma.export import embed, onnx_bytes, session
+
+        sess = session(onnx_bytes(model, cfg), threads)
+        return lambda views: embed(sess, views)
+
+    def run(views: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return model(torch.from_numpy(views)).numpy()
+    return run
+
+
+def whole_job(ckpt: str, catalogue: Path, index: Path, cpus: int, batch_size: int, runtime: str):
     """Seconds of embed_catalogue (Ray already running) and its report."""
     from puma.inference import embed_catalogue
 
     cfg = load_config(None, [f"index.uri={index}", f"embed.checkpoint={ckpt}", f"embed.num_cpus={cpus}",
                              "embed.concurrency=1", f"embed.batch_size={batch_size}",
-                             f"data.decode_batch_size={batch_size}", "embed.commit_rows=100000"])
+                             f"data.decode_batch_size={batch_size}", "embed.commit_rows=100000",
+                             f"embed.runtime={runtime}"])
     start = time.perf_counter()
     report = embed_catalogue(cfg, str(catalogue))
     return time.perf_counter() - start, report
 
 
+def measure(runtime: str, args, root: Path, ckpt: str, model, cfg, files: list[Path]) -> dict:
+    """One runtime's bare loop and whole job on the same files."""
+    forward = forward_fn(runtime, model, cfg, args.cpus)
+    bare_loop(forward, cfg, files[: args.batch_size], args.batch_size)  # warm-up (allocator, kernels)
+    bare_s = bare_loop(forward, cfg, files, args.batch_size)
+    job_s, report = whole_job(ckpt, root / "cub_bench", root / f"index_{runtime}", args.cpus,
+                              args.batch_size, runtime)
+    if report.embedded != args.n:
+        raise SystemExit(f"the {runtime} job embedded {report.embedded} of {args.n} images "
+                         f"({report.rejected} rejected)")
+    row = {"runtime": runtime, "bare_s": bare_s, "job_s": job_s, "bare_img_s": args.n / bare_s,
+           "job_img_s": args.n / job_s, "ratio": bare_s / job_s}
+    print(f"[bench] {runtime}: bare {row['bare_img_s']:.1f} img/s, job {row['job_img_s']:.1f} img/s, "
+          f"ratio {row['ratio']:.2f}", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run both on the same images and print images/s and the ratio."""
+    """Run the bare loop and the job per runtime on the same images; print and record images/s and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1500, help="CUB images (default 1500; fewer and the "
                         "actor start-up dominates)")
@@ -114,30 +147,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--img-size", type=int, default=112, help="ViT-S input size (the demo's 112)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1,
-                        help="cores for both (torch threads)")
+                        help="cores for both (torch / ONNX Runtime threads)")
+    parser.add_argument("--runtime", choices=("torch", "onnx", "both"), default="both")
     args = parser.parse_args(argv)
+    from bench.record import record
     from puma.runtime import init_ray
 
     torch.set_num_threads(args.cpus)
+    runtimes = ("torch", "onnx") if args.runtime == "both" else (args.runtime,)
     with tempfile.TemporaryDirectory(prefix="bench-embed-") as tmp:
         root = Path(tmp)
         ckpt, model, cfg = make_checkpoint(args.model, args.img_size, str(root / "ckpt"))
         files = make_catalogue(root, args.n)
         backbone = cfg.model.backbone
         print(f"[bench] {args.n} CUB images, {backbone.name} at {backbone.img_size} px, "
-              f"batch {args.batch_size}, "
-              f"{args.cpus} cores, load average {os.getloadavg()[0]:.1f}; Ray: {init_ray()}")
-        bare_loop(model, cfg, files[: args.batch_size], args.batch_size)  # warm-up (allocator, kernels)
-        bare_s = bare_loop(model, cfg, files, args.batch_size)
-        job_s, report = whole_job(ckpt, root / "cub_bench", root / "index", args.cpus, args.batch_size)
-        if report.embedded != args.n:
-            raise SystemExit(f"the job embedded {report.embedded} of {args.n} images "
-                             f"({report.rejected} rejected)")
-    bare, job = args.n / bare_s, args.n / job_s
-    print(f"{'row':<12}{'seconds':>10}{'images/s':>12}")
-    print(f"{'bare loop':<12}{bare_s:>10.2f}{bare:>12.1f}")
-    print(f"{'whole job':<12}{job_s:>10.2f}{job:>12.1f}")
-    print(f"ratio job/bare = {job / bare:.2f} (load average now {os.getloadavg()[0]:.1f})")
+              f"batch {args.batch_size}, {args.cpus} cores, load average {os.getloadavg()[0]:.1f}; "
+              f"Ray: {init_ray()}", flush=True)
+        rows = [measure(runtime, args, root, ckpt, model, cfg, files) for runtime in runtimes]
+    lines = ["| runtime | bare loop img/s | whole job img/s | job / bare |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['runtime']} | {r['bare_img_s']:.1f} | {r['job_img_s']:.1f} | {r['ratio']:.2f} |"
+              for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    setup = (f"{args.n} CUB-200 photos, {backbone.name} at {backbone.img_size} px (untrained PUMA modules: "
+             f"speed does not depend on trained values), batch {args.batch_size}, {args.cpus} cores. Bare "
+             "loop: read, decode, eval view, forward in one process. Whole job: "
+             "puma.inference.embed_catalogue with embed.runtime on a local Ray started before timing "
+             "(model load, Ray Data decode tasks, one actor, index commits inside the timed region).")
+    payload = {"n": args.n, "model": args.model, "img_size": backbone.img_size, "batch_size": args.batch_size,
+               "cpus": args.cpus, "rows": rows}
+    record(f"bench_embed_{args.model}_n{args.n}", payload,
+           f"{setup}\n\n{table}", "Batch embedding job vs its bare forward loop, per runtime")
     return 0
 
 
