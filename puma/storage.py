@@ -28,6 +28,7 @@ import os
 import posixpath
 import random
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,12 +75,18 @@ class _S3Settings:
 
 
 _settings = _S3Settings()
+_configured = False  # configure() ran in this process: a Ray worker may not reach S3 before it has
 _fs_cache: dict[tuple, pafs.FileSystem] = {}
 _rng = random.Random()
 
 
 def configure(cfg) -> None:
-    """Apply S3 settings (a StorageConfig, or what ``current_config()`` returned) to this process."""
+    """Apply S3 settings (a StorageConfig, or what ``current_config()`` returned) to this process.
+
+    The settings travel with the work: a driver hands ``current_config()`` to each Ray task, actor or
+    replica it starts, and that calls ``configure`` with it first. A Ray worker process that reaches
+    S3 without having done so fails (StorageError) rather than use the default endpoint silently."""
+    global _configured
     retry = cfg.retry
     _settings.endpoint_url = cfg.endpoint_url
     _settings.region = cfg.region
@@ -87,6 +94,22 @@ def configure(cfg) -> None:
     _settings.retry = RetryPolicy(max_attempts=retry.max_attempts, initial_backoff_s=retry.initial_backoff_s,
                                   max_backoff_s=retry.max_backoff_s, max_elapsed_s=retry.max_elapsed_s)
     _fs_cache.clear()
+    _configured = True
+
+
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (a task, actor, Train worker or Serve replica), not a driver."""
+    worker = sys.modules.get("ray._private.worker")
+    return worker is not None and worker.global_worker.mode == worker.WORKER_MODE
+
+
+def _check_configured() -> None:
+    """S3 in a Ray worker needs the driver's settings (``configure``): refuse before guessing them."""
+    if not _configured and _in_ray_worker():
+        raise StorageError("S3 used in a Ray worker process before its storage settings arrived: the "
+                           "code that starts this task, actor or replica must pass it the driver's "
+                           "puma.storage.current_config() and call puma.storage.configure(settings) "
+                           "there first (else it would use the default endpoint, not storage.endpoint_url)")
 
 
 def current_config() -> _S3Settings:
@@ -115,7 +138,9 @@ def endpoint_problem(endpoint: str) -> str:
 
 
 def _endpoint() -> str:
-    """The endpoint in force, checked: a scheme-less AWS_ENDPOINT_URL is an error, not https."""
+    """The endpoint in force, checked: a scheme-less AWS_ENDPOINT_URL is an error, not https, and a Ray
+    worker must have been handed the driver's settings."""
+    _check_configured()
     endpoint = s3_endpoint()
     problem = endpoint_problem(endpoint)
     if problem:

@@ -262,3 +262,23 @@ def test_display_uri_keeps_the_scheme(s3_storage):
     path, fs = storage.ray_storage(storage.join(s3_storage, "runs"))
     assert storage.display_uri(path, fs) == storage.join(s3_storage, "runs")
     assert storage.display_uri("/tmp/runs", None) == "/tmp/runs"
+
+
+def _read_in_a_ray_task(uri: str, settings) -> bytes:
+    """Run in a Ray worker: configure with ``settings`` (None: forget to) and read ``uri``."""
+    if settings is not None:
+        storage.configure(settings)
+    return storage.read_bytes(uri)
+
+
+def test_a_ray_task_that_uses_s3_without_the_drivers_settings_fails_loudly(ray_cluster, s3_storage):
+    """The settings travel with the work: a task handed storage.current_config() reads the test server;
+    one that was not handed them refuses (it would otherwise use the default endpoint, not the server)."""
+    ray = ray_cluster
+    uri = storage.join(s3_storage, "a.bin")
+    storage.write_bytes(uri, b"payload")
+    task = ray.remote(num_cpus=0.1, max_retries=0, runtime_env={"env_vars": {"PUMA_FRESH_WORKER": "1"}})(
+        _read_in_a_ray_task)  # a runtime_env of its own: a fresh worker process, never configured
+    with pytest.raises(ray.exceptions.RayTaskError, match="before its storage settings arrived"):
+        ray.get(task.remote(uri, None))
+    assert ray.get(task.remote(uri, storage.current_config())) == b"payload"

@@ -165,7 +165,7 @@ def test_truncated_backbone_weights_fail_on_the_driver_before_ray(tmp_path, caps
     (["model.adapter.blocks=[0,12]"], "model.adapter.blocks"),
     (["loss.name=proxy_anchor", "loss.xbm_memory_size=64"],  # the loss a worker builds: was a worker's
      "loss.xbm_memory_size=64 applies to pair-based losses"),  # traceback after 69-90 s
-    (["loss.margin=4"], "loss.name='curricularface': loss.margin=4.0 (radians) is out of range"),  # the loss's
+    (["loss.margin=4"], "loss.name='curricularface': loss.margin=4.0 (radians) is out of range"),
     (["model.head.embed_dim=512", "model.head.init=pca"],  # a worker's data-driven start, after a pass
      "PCA init needs embed_dim <= the feature width; got 512 > 384"),  # over the data (ViT-S: 384)
 ])
