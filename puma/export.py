@@ -69,19 +69,15 @@ class ExportReport:
 def export_onnx(checkpoint: str, out: str, backbone_weights: str | None = None,
                 opset: int = OPSET) -> ExportReport:
     """Export the checkpoint's eval-mode model to ONNX at ``out`` (local or s3://), parity checked."""
-    import torch
-
     from puma.checkpoint import checkpoint_id, load_model, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(checkpoint)
     model, cfg = load_model(checkpoint, backbone_weights)  # eval mode, probe verified
     size = cfg.model.backbone.img_size
-    probe = _probe(size)
-    with torch.inference_mode():
-        want = model(probe).float().numpy()  # (B, E)
+    want = probe_embeddings(model, cfg)  # (B, E)
     model_id = checkpoint_id(checkpoint)  # hashes the weights: once
     data = onnx_bytes(model, cfg, model_id, opset)
-    cosine = parity(data, probe.numpy(), want)
+    cosine = parity(data, _probe(size).numpy(), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images of {checkpoint} at cosine {cosine:.6f} to "
                           f"PyTorch (< {PARITY_COSINE}); not written. Report this with the checkpoint's "
@@ -189,11 +185,6 @@ def session(data: bytes, threads: int = 0):
     if threads:
         options.intra_op_num_threads = threads
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-
-
-def checked_session(data: bytes, model, cfg, threads: int = 0):
-    """A session of ``data``, refused (ExportError) unless it embeds the probe images like ``model``."""
-    return matching_session(data, probe_embeddings(model, cfg), threads)
 
 
 def probe_embeddings(model, cfg) -> np.ndarray:

@@ -121,5 +121,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = config.load_config(path, overrides, base)
     check_prepare_max_side(cfg.data.prepare_max_side, cfg.model.backbone.img_size)
     if cfg.model.method in METHODS:
-        check_config(cfg)
+        get_method(cfg.model.method).check_config(cfg)
     return cfg

@@ -187,11 +187,12 @@ def compare_runs(runs: list[str]) -> dict[str, dict[str, float]]:
     """Name -> the metrics each run's best checkpoint recorded (names: the run folders' names)."""
     out: dict[str, dict[str, float]] = {}
     for run in runs:
-        best = RunFolder(run).best
+        folder = RunFolder(run)
+        best = folder.best
         if not has_checkpoint(best):
             raise NoRunError(f"--compare {run}: no best checkpoint at {best}; name a run folder that "
                              "jobs/train.py wrote (<train.storage_path>/<train.run_name>)")
-        name = RunFolder(run).name
+        name = folder.name
         while name in out or name in ("zero-shot", "this run"):
             name += "'"
         out[name] = metric_values(read_meta(best).get("metrics", {}))
