@@ -77,7 +77,7 @@ def export_onnx(checkpoint: str, out: str, backbone_weights: str | None = None,
     want = probe_embeddings(model, cfg)  # (B, E)
     model_id = checkpoint_id(checkpoint)  # hashes the weights: once
     data = onnx_bytes(model, cfg, model_id, opset)
-    cosine = parity(data, _probe(size).numpy(), want)
+    cosine = parity(data, _probe_images(size), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images of {checkpoint} at cosine {cosine:.6f} to "
                           f"PyTorch (< {PARITY_COSINE}); not written. Report this with the checkpoint's "
@@ -98,10 +98,15 @@ def onnx_bytes(model, cfg, model_id: str = "", opset: int = OPSET) -> bytes:
 
 
 def _probe(size: int):
+    """The seeded probe images as a tensor (for PyTorch); _probe_images as numpy (no torch import)."""
     import torch
 
+    return torch.from_numpy(_probe_images(size))
+
+
+def _probe_images(size: int) -> np.ndarray:
     rng = np.random.default_rng(0)
-    return torch.from_numpy(rng.standard_normal((PROBE_BATCH, 3, size, size), np.float32))
+    return rng.standard_normal((PROBE_BATCH, 3, size, size), np.float32)  # (P, 3, S, S)
 
 
 def _to_onnx(model, probe, opset: int) -> bytes:
@@ -165,7 +170,7 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def int8_agreement(fp32: bytes, int8: bytes, size: int) -> float:
     """The int8 file's min cosine to the fp32 file on the seeded probe images of ``size`` px."""
-    probe = _probe(size).numpy()
+    probe = _probe_images(size)
     return min_cosine(embed(session(int8), probe), embed(session(fp32), probe))
 
 
@@ -200,7 +205,7 @@ def matching_session(data: bytes, want: np.ndarray, threads: int = 0):
     (probe_embeddings of the model it was exported from): no PyTorch model needed here."""
     sess = session(data, threads)
     size = int(sess.get_inputs()[0].shape[-1])
-    cosine = min_cosine(embed(sess, _probe(size).numpy()), want)
+    cosine = min_cosine(embed(sess, _probe_images(size)), want)
     if cosine < PARITY_COSINE:
         raise ExportError(f"ONNX Runtime embeds the probe images at cosine {cosine:.6f} to PyTorch "
                           f"(< {PARITY_COSINE}); use embed.runtime=torch")

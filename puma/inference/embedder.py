@@ -133,20 +133,22 @@ class Embedder:
     def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool,
                  threads: int, runtime: str = "torch", onnx_model: bytes | None = None,
                  onnx_probe: np.ndarray | None = None) -> None:
-        import torch
-
         use_storage(storage_cfg)
-        if threads > 0:  # 0: leave torch's threads as they are (the job's own process)
-            torch.set_num_threads(threads)
         self.onnx, self.onnx_model, self.onnx_probe, self.model = None, onnx_model, onnx_probe, None
-        self.device = torch.device("cpu")
+        self.device = "cpu"
         if runtime == "onnx" and onnx_model is not None and onnx_probe is not None:
             from puma.export import matching_session
 
+            # no PyTorch import at all: an actor process starts about a second sooner
             self.onnx = matching_session(onnx_model, onnx_probe, threads=max(0, threads))
             self.dim = int(onnx_probe.shape[1])
             return
+        import torch
+
         from puma.checkpoint import load_model
+
+        if threads > 0:  # 0: leave torch's threads as they are (the job's own process)
+            torch.set_num_threads(threads)
 
         model, cfg = load_model(checkpoint, backbone_weights or None)  # eval mode, probe verified
         if runtime == "onnx":
@@ -163,13 +165,13 @@ class Embedder:
 
     def forward(self, images) -> np.ndarray:
         """Eval views (B, 3, S, S), numpy or a tensor on the actor's device -> embeddings (B, E) float32."""
-        import torch
-
         if self.onnx is not None:
             from puma.export import embed
 
-            array = images.cpu().numpy() if isinstance(images, torch.Tensor) else images
+            array = images if isinstance(images, np.ndarray) else images.cpu().numpy()
             return embed(self.onnx, array)  # (B, E)
+        import torch
+
         with torch.inference_mode():
             if isinstance(images, np.ndarray):
                 images = torch.from_numpy(np.array(images, np.float32)).to(self.device)  # writable copy
@@ -177,15 +179,24 @@ class Embedder:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A batch of decode_refs (decoded here first, on the actor's device, with data.decode_on=worker)."""
-        from puma.data.device_views import batch_images
-
         if len(batch[ITEM_ID]):
-            emb = self.forward(batch_images(batch, self.device))  # (B, E)
+            emb = self.forward(self._views(batch))  # (B, E)
         else:
             emb = np.zeros((0, self.dim), np.float32)
         out = {c: batch[c] for c in META_COLUMNS}
         out[EMBEDDING] = emb
         return out
+
+
+    def _views(self, batch: dict[str, np.ndarray]):
+        """The batch's eval views (B, 3, S, S): the decode tasks' float32 views as they are for ONNX
+        Runtime (no PyTorch import), else puma.data.device_views.batch_images on the actor's device."""
+        images = batch.get(IMAGE)
+        if self.onnx is not None and images is not None and images.dtype == np.float32:
+            return images
+        from puma.data.device_views import batch_images
+
+        return batch_images(batch, self.device)
 
 
 def to_table(batch: dict[str, np.ndarray]) -> pa.Table:
