@@ -15,6 +15,11 @@ The service is ``puma.serve.run.start_service`` (what jobs/serve.py runs) on a l
 Rows, each at 1 and at 8 concurrent clients, the variants interleaved round by round:
 
     service vector   POST /search {"vector": q, "k": 10}: HTTP, ingress, IVF over the shards, hits
+    fastapi vector   the same request to a plain FastAPI + uvicorn server in one process holding the
+                     same shards (puma.serve.live_index.LiveIndex): what a user would write by hand
+    noop serve       the same request to a Ray Serve app (same ingress mode as the service) that
+                     answers {"hits": []}: the engine's floor
+    faiss vector     LiveIndex.search_vector in this process (FAISS over the shards + hits), no HTTP
     numpy vector     x @ q and a top-10 argpartition over the same vectors, in this process
     service image    POST /search with JPEG bytes: decode + eval view, batched forward, IVF, hits
     numpy image      decode + eval view + the same model's forward (one image) + brute force, in process
@@ -31,6 +36,8 @@ import http.client
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -128,12 +135,14 @@ def photos(n: int) -> list[bytes]:
 class Client:
     """One keep-alive HTTP connection to the service."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int | tuple[int, str]) -> None:
+        port, self.prefix = port if isinstance(port, tuple) else (port, "")
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
 
     def search(self, body: bytes, content_type: str, query: str = "") -> dict:
         """One POST /search; the parsed answer (raises on a status other than 200)."""
-        self.conn.request("POST", f"/search{query}", body=body, headers={"Content-Type": content_type})
+        self.conn.request("POST", f"{self.prefix}/search{query}", body=body,
+                          headers={"Content-Type": content_type})
         response = self.conn.getresponse()
         data = response.read()
         if response.status != 200:
@@ -180,13 +189,20 @@ def run_clients(clients: int, requests: int, max_seconds: float, make_call) -> t
 # ----------------------------------------------------------------------------- the variants
 
 
-def variants(port: int, x: np.ndarray, queries: np.ndarray, images: list[bytes], model, view) -> dict:
-    """name -> make_call(thread) -> call(i) for the four rows."""
+def variants(ports: dict, x: np.ndarray, queries: np.ndarray, images: list[bytes], model, view,
+             live) -> dict:
+    """name -> make_call(thread) -> call(i) for every row (ports: service, fastapi, noop)."""
     bodies = [json.dumps({"vector": q.tolist(), "k": K}).encode() for q in queries]
+    port = ports["service"]
 
-    def service_vector(_t):
-        client = Client(port)
-        return lambda i: client.search(bodies[i % len(bodies)], "application/json")
+    def vector_to(where: str):
+        def make(_t):
+            client = Client(ports[where])
+            return lambda i: client.search(bodies[i % len(bodies)], "application/json")
+        return make
+
+    def faiss_vector(_t):
+        return lambda i: live.search_vector(queries[i % len(queries)], K) is None
 
     def numpy_vector(_t):
         return lambda i: brute_force(x, queries[i % len(queries)]) is None  # a bool: no took_ms
@@ -202,8 +218,9 @@ def variants(port: int, x: np.ndarray, queries: np.ndarray, images: list[bytes],
             brute_force(x, v)
         return call
 
-    return {"service vector": service_vector, "numpy vector": numpy_vector, "service image": service_image,
-            "numpy image": numpy_image}
+    return {"service vector": vector_to("service"), "fastapi vector": vector_to("fastapi"),
+            "noop serve": vector_to("noop"), "faiss vector": faiss_vector, "numpy vector": numpy_vector,
+            "service image": service_image, "numpy image": numpy_image}
 
 
 def recall_at_k(port: int, x: np.ndarray, queries: np.ndarray, n: int = 100) -> float:
@@ -216,6 +233,26 @@ def recall_at_k(port: int, x: np.ndarray, queries: np.ndarray, n: int = 100) -> 
     return float(np.mean(hits))
 
 
+# ----------------------------------------------------------------------------- reference servers
+
+
+def start_plain_server(index_uri: str, dim: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--plain-server", index_uri, "--port", str(port),
+                             "--dim", str(dim)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, port
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"the plain FastAPI server exited with {proc.returncode}") from None
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the plain FastAPI server did not start within 120 s")
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -225,14 +262,17 @@ def setting(args: argparse.Namespace) -> dict:
 
 
 def ratios(rows: dict[tuple[str, int], Row]) -> list[dict]:
+    """The service against each reference row of the same query kind and clients."""
+    pairs = [("vector", "numpy vector"), ("vector", "faiss vector"), ("vector", "fastapi vector"),
+             ("vector", "noop serve"), ("image", "numpy image")]
     out = []
-    for kind in ("vector", "image"):
+    for kind, reference in pairs:
         for clients in sorted({c for _, c in rows}):
-            service, numpy_ = rows.get((f"service {kind}", clients)), rows.get((f"numpy {kind}", clients))
-            if service and numpy_ and numpy_.qps:
-                out.append({"query": kind, "clients": clients,
-                            "qps_ratio": round(service.qps / numpy_.qps, 3),
-                            "p50_ratio": round(service.percentile(50) / numpy_.percentile(50), 3)})
+            service, other = rows.get((f"service {kind}", clients)), rows.get((reference, clients))
+            if service and other and other.qps:
+                out.append({"query": kind, "against": reference, "clients": clients,
+                            "qps_ratio": round(service.qps / other.qps, 3),
+                            "p50_ratio": round(service.percentile(50) / other.percentile(50), 3)})
     return out
 
 
@@ -241,15 +281,17 @@ def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float)
              "(the machine is shared: compare rows of this run only).", "",
              f"Index: {env['args']['items']} x {env['dim']} synthetic vectors, IVF-Flat (nlist "
              f"{env['nlist']}, nprobe 16), {env['shards']} shards; model {env['model']}; k = {K}; service "
-             f"recall@{K} vs brute force: {recall:.3f}", "",
+             f"recall@{K} vs brute force: {recall:.3f}; serve.ingress={env['args']['ingress']}, "
+             f"serve.index_partitions={env['args']['partitions']}", "",
              "| row | clients | requests | queries/s | p50 ms | p99 ms | p50 ms inside the app |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['clients']} | {r['requests']} | {r['qps']:.1f} | {r['p50_ms']:.1f} | "
               f"{r['p99_ms']:.1f} | {'' if r['app_p50_ms'] is None else format(r['app_p50_ms'], '.1f')} |"
               for r in rows]
-    lines += ["", "| query | clients | service/numpy queries/s | service/numpy p50 |", "|---|---:|---:|---:|"]
-    lines += [f"| {r['query']} | {r['clients']} | {r['qps_ratio']:.2f} | {r['p50_ratio']:.2f} |"
-              for r in ratio_rows]
+    lines += ["", "| service query | against | clients | queries/s ratio | p50 ratio |",
+              "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['query']} | {r['against']} | {r['clients']} | {r['qps_ratio']:.2f} | "
+              f"{r['p50_ratio']:.2f} |" for r in ratio_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -269,13 +311,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-cpus", type=float, default=2.0, help="torch threads of the model, both sides")
     p.add_argument("--port", type=int, default=0, help="service port (0: a free one)")
     p.add_argument("--no-save", action="store_true", help="do not write bench/results/serve.{json,md}")
+    p.add_argument("--ingress", choices=("direct", "proxy"), default="direct", help="serve.ingress")
+    p.add_argument("--partitions", type=int, default=1, help="serve.index_partitions")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plain-server", metavar="INDEX_URI", help=argparse.SUPPRESS)  # the FastAPI row's server
+    p.add_argument("--dim", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build the index, start the service, run the rows interleaved, print and record the ratios."""
     args = parse_args(argv)
+    if args.plain_server:
+        from serve_references import plain_server
+
+        plain_server(args.plain_server, args.port, args.dim, K)
+        return 0
     env = setting(args)  # the machine's load before this run adds to it
     clients = [int(c) for c in args.clients.split(",")]
     port = args.port or free_port()
@@ -284,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("PUMA_SERVE_TOKEN", None)
     from puma.checkpoint import checkpoint_id
     from puma.index import read_manifest
-    from puma.serve.run import start_service, stop_service
+    from puma.runtime import init_ray
+    from puma.serve.live_index import LiveIndex
+    from puma.serve.run import direct_ingress_env, start_service, stop_service
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         ckpt, model, model_cfg = make_checkpoint(args.model, args.img_size, str(Path(tmp) / "ckpt"))
@@ -303,14 +356,26 @@ def main(argv: list[str] | None = None) -> int:
             "serve.model_min_replicas=1", "serve.model_max_replicas=1", "serve.index_min_replicas=1",
             "serve.index_max_replicas=1", f"serve.model_num_cpus={args.model_cpus}",
             "serve.index_num_cpus=0.5", "serve.ingress_num_cpus=0.5", "serve.watch_interval_s=60",
-            "index.nprobe=16", f"serve.max_k={K}"])
+            "index.nprobe=16", f"serve.max_k={K}", f"serve.ingress={args.ingress}",
+            f"serve.index_partitions={args.partitions}"])
+        # the service's ingress mode, with room for the no-op app's own ingress replica (port + 2: Serve's
+        # head-node proxy has port + 1)
+        os.environ.update(direct_ingress_env(cfg.serve) | (
+            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 3)} if args.ingress == "direct" else {}))
+        init_ray()
         service = start_service(cfg)
+        plain, plain_port = start_plain_server(str(Path(tmp) / "index"), dim)
         try:
             print(f"[bench] service at {service.url} on {service.ray}", flush=True)
-            calls = variants(port, x, queries, images, model, eval_view_spec(model_cfg))
+            from serve_references import deploy_noop
+
+            ports = {"service": port, "fastapi": plain_port, "noop": deploy_noop(args.ingress, port)}
+            live = LiveIndex(IndexConfig(uri=str(Path(tmp) / "index"), use_gpu=False, nprobe=16), None, dim)
+            calls = variants(ports, x, queries, images, model, eval_view_spec(model_cfg), live)
             rows = measure(args, clients, calls)
             recall = recall_at_k(port, x, queries)
         finally:
+            plain.kill()
             stop_service(service)
             if own_ray_tmp:
                 shutil.rmtree(os.environ.pop("PUMA_RAY_TMP"), ignore_errors=True)

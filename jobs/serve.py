@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_service(cfg)
         print(f"[puma] ok: index {plan.cfg.index.uri} ({plan.manifest.total} items, model "
               f"{plan.model_id or '(none recorded)'}), checkpoint {plan.checkpoint or '(image queries off)'}")
+        print(f"[puma] {plan.partitions_reason}")
         return 0
     service = start_service(cfg)
     try:
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[puma] index {index.uri}: {service.plan.manifest.total} items at start, model "
               f"{service.plan.model_id or '(none recorded)'}; new shards are picked up every "
               f"{s.watch_interval_s:g} s")
+        print(f"[puma] {service.plan.partitions_reason}; ingress: {s.ingress}")
         print(f"[puma] bearer token: {'required' if service.plan.token_required else 'not required'} "
               f"(${s.token_env}); image queries: {'on' if s.image_queries else 'off'}; Ctrl-C stops it",
               flush=True)

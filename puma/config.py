@@ -568,8 +568,10 @@ class ServeConfig:
     the model and index deployments autoscale between their min and max on ongoing requests.
     """
 
-    host: str = "127.0.0.1"  # where Serve's HTTP proxy listens (0.0.0.0 inside a pod)
-    port: int = 8000  # Serve's HTTP port (the page at /, POST /search)
+    host: str = "127.0.0.1"  # where the service listens (0.0.0.0 inside a pod)
+    port: int = 8000  # the HTTP port (the page at /, POST /search) on every node with an ingress replica
+    ingress: str = "direct"  # direct: each ingress replica listens on serve.port itself (Ray Serve's direct
+    # ingress, one per node; no proxy hop) | proxy: Serve's HTTP proxy on every node forwards to it
     app_name: str = "puma-search"  # the Serve application's name (serve status, the RayService)
     image_queries: bool = True  # false: no model deployment; vector and item-id queries only
     default_k: int = 10  # hits when a request names no k
@@ -583,12 +585,25 @@ class ServeConfig:
     model_max_replicas: int = 2  # at most this many model replicas
     model_num_cpus: float = 1.0  # CPUs per model replica (torch threads follow it)
     model_num_gpus: float = 1.0  # GPUs per model replica when GPUs are used
-    index_min_replicas: int = 1  # the index deployment (FAISS search) scales between these
-    index_max_replicas: int = 2  # at most this many index replicas
-    index_num_cpus: float = 1.0  # CPUs per index replica
-    index_num_gpus: float = 0.5  # GPUs per index replica when GPUs are used (faiss-gpu)
-    ingress_replicas: int = 1  # replicas of the HTTP ingress (requests, validation, the page)
+    index_partitions: int = 1  # 1: each ingress replica holds the whole index (no hop for vector and item
+    # queries) | N > 1: N index deployments, each holding 1/N of the shards; queries fan out, top-k merged
+    # exactly | 0: the plan picks N from the index's size and serve.index_replica_memory_gb
+    index_replica_memory_gb: float = 8.0  # memory one replica may give the index (serve.index_partitions=0)
+    index_min_replicas: int = 1  # each index partition (serve.index_partitions > 1) scales between these
+    index_max_replicas: int = 2  # at most this many replicas per partition
+    index_num_cpus: float = 1.0  # CPUs per index partition replica
+    index_num_gpus: float = 0.5  # GPUs per index partition replica when GPUs are used (faiss-gpu)
+    index_resources: dict = field(default_factory=dict)  # custom Ray resources per partition replica, e.g.
+    # {index_slot: 1} with one slot per node: partitions spread over nodes, one per node
+    partition_timeout_s: float = 5.0  # a partition that does not answer within this: the query gets 503
+    ingress_replicas: int = 1  # replicas of the HTTP ingress (requests, the page; the index when not
+    # partitioned); with serve.ingress=direct at most one per node: one per node you want to answer
     ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
+    ingress_resources: dict = field(default_factory=dict)  # custom Ray resources per ingress replica (e.g.
+    # to keep it on the nodes a load balancer reaches)
+    max_ongoing_requests: int = 64  # requests one ingress replica works on at once
+    max_queued_requests: int = 256  # more waiting than this: 503 with Retry-After at once (-1: no bound)
+    retry_after_s: float = 1.0  # the Retry-After of those 503s
     target_ongoing_requests: float = 4.0  # index autoscaling: requests per replica (model: max_batch_size)
     watch_interval_s: float = 10.0  # how often replicas look for new shards and a new live version
     version_grace_s: float = 30.0  # a replaced version stays loaded this long (and while requests hold it)
@@ -616,6 +631,17 @@ class ServeConfig:
         for name in ("model_num_gpus", "index_num_gpus"):
             _check(getattr(self, name) >= 0, f"serve.{name}={getattr(self, name)!r} must be >= 0")
         _check(self.ingress_replicas >= 1, "serve.ingress_replicas must be >= 1")
+        _check_choice("serve.ingress", self.ingress, ("direct", "proxy"))
+        _check(self.index_partitions >= 0, f"serve.index_partitions={self.index_partitions!r} must be >= 0 "
+                                           "(0: picked from the index size)")
+        _check(self.index_replica_memory_gb > 0, "serve.index_replica_memory_gb must be > 0")
+        _check(self.max_ongoing_requests >= 1, "serve.max_ongoing_requests must be >= 1")
+        _check(self.max_queued_requests == -1 or self.max_queued_requests >= 1,
+               "serve.max_queued_requests must be >= 1 (or -1: no bound)")
+        _check(self.retry_after_s >= 0, "serve.retry_after_s must be >= 0 seconds")
+        _check(self.partition_timeout_s > 0, "serve.partition_timeout_s must be > 0 seconds")
+        _check_custom_resources("serve.index_resources", self.index_resources)
+        _check_custom_resources("serve.ingress_resources", self.ingress_resources)
         _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
         _check(self.watch_interval_s > 0, "serve.watch_interval_s must be > 0 seconds")
         _check(self.version_grace_s >= 0, "serve.version_grace_s must be >= 0 seconds")

@@ -9,13 +9,18 @@ Points: ``index.shard_written`` (a shard's Parquet written, its index not yet), 
 (every file of a commit written, the manifest not yet), ``versions.promote`` (the new version
 verified, the alias not yet switched), ``versions.retain`` (an old version's manifest deleted, its
 files not yet), ``embed.block`` (a block of embeddings committed, the next not yet).
+
+``PUMA_FAULT_DELAY=<name>:<seconds>`` makes ``await fault_delay(name)`` wait that long instead (a
+slow request for overload tests; point ``serve.search``: a search request, before it is answered).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 ENV = "PUMA_FAULT_AT"
+DELAY_ENV = "PUMA_FAULT_DELAY"
 _seen: dict[str, int] = {}
 
 
@@ -30,3 +35,13 @@ def fault_point(name: str) -> None:
     _seen[name] = _seen.get(name, 0) + 1
     if _seen[name] >= int(nth or 1):
         os._exit(137)
+
+
+async def fault_delay(name: str) -> None:
+    """Wait the seconds ``PUMA_FAULT_DELAY`` gives this point (if it names it)."""
+    wanted = os.environ.get(DELAY_ENV)
+    if not wanted:
+        return
+    point, _, seconds = wanted.partition(":")
+    if point == name:
+        await asyncio.sleep(float(seconds or 0))

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,12 +45,13 @@ REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
 PYTHON = sys.executable
 BUCKET = "multinode"
-# node_a / node_b pin training workers; one embed_slot per node puts one embedding actor on each
-# and one trial_slot per node puts two concurrent sweep trials on different nodes
-HEAD_RESOURCES = {"node_a": 4, "embed_slot": 1, "trial_slot": 1}
+# node_a / node_b pin training workers; one embed_slot per node puts one embedding actor on each,
+# one trial_slot per node puts two concurrent sweep trials on different nodes and one index_slot per
+# node one index partition of the search service on each
+HEAD_RESOURCES = {"node_a": 4, "embed_slot": 1, "trial_slot": 1, "index_slot": 1}
 PHOTOS = 24  # per species: 3 training and 3 test species, so 72 images of each (18 steps an epoch)
 TEST_ITEMS = 3 * PHOTOS
-NODE_B_RESOURCES = {"node_b": 4, "embed_slot": 1, "trial_slot": 1}
+NODE_B_RESOURCES = {"node_b": 4, "embed_slot": 1, "trial_slot": 1, "index_slot": 1}
 
 
 # ----------------------------------------------------------------------------- S3 server, restartable
@@ -543,3 +545,85 @@ def test_s3_down_mid_index_shard_write_then_rerun_gives_every_item_once(own_s3, 
     ids = read_table(storage.join(index, "shards"))["item_id"].to_pylist()
     assert report.added == 40 and sorted(ids) == sorted(table["item_id"].to_pylist())
     assert read_manifest(index).total == 60 and verify(index).ok and not verify(index).orphans
+
+
+# ----------------------------------------------------------------------------- serving across nodes
+
+
+def search(url: str, q, k: int = 5, timeout: float = 20.0) -> tuple[int, dict, dict, float]:
+    """(status, JSON body, lower-case headers, seconds) of one vector query (a timeout raises: a hang)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "search", data=json.dumps({"vector": q.tolist(), "k": k}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return (response.status, json.loads(response.read()),
+                    {n.lower(): v for n, v in response.headers.items()}, time.perf_counter() - start)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}"), {n.lower(): v for n, v in exc.headers.items()}, \
+            time.perf_counter() - start
+
+
+def test_partitions_on_two_nodes_refuse_with_503_while_one_is_lost_and_answer_in_full_when_it_is_back(
+        cluster, tmp_path):
+    """jobs/serve.py on the cluster with one index partition per node (index_slot) and the ingress on
+    the head; the second node is SIGKILLed: every query gets 503 with Retry-After within
+    serve.partition_timeout_s (the decision: no partial answers), none hangs; a replacement node joins
+    and full, exact answers resume."""
+    import numpy as np
+    import pyarrow as pa
+
+    from puma.config import IndexConfig
+    from puma.index import build_index
+
+    cluster.ensure_node_b()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    index = str(tmp_path / "index")
+    build_index(index, pa.table({"item_id": [f"i/{i:03d}" for i in range(300)],
+                                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 16)}),
+                IndexConfig(index_type="flat", shard_size=50), model_id="m")
+
+    def expected(i: int) -> list[str]:
+        return [f"i/{j:03d}" for j in np.argsort(-(x @ x[i]), kind="stable")[:5]]
+
+    port = _free_port(set())
+    log = tmp_path / "serve.log"
+    env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1")
+    argv = [PYTHON, "jobs/serve.py", f"index.uri={index}", f"serve.port={port}", "serve.host=127.0.0.1",
+            "serve.ingress=proxy", "serve.image_queries=false", "serve.index_partitions=2",
+            "serve.index_resources={index_slot: 1}", "serve.ingress_resources={node_a: 0.01}",
+            "serve.index_num_cpus=0.25", "serve.ingress_num_cpus=0.25", "serve.index_max_replicas=1",
+            "serve.partition_timeout_s=3", "serve.watch_interval_s=2"]
+    with open(log, "w") as out, killed_at_exit(subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)) as proc:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops it" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        url = f"http://127.0.0.1:{port}/"
+        for i in range(0, 300, 30):
+            status, body, _, _ = search(url, x[i])
+            assert status == 200 and [h["item_id"] for h in body["hits"]] == expected(i)
+        kill_node(cluster.node_b)
+        refused = [search(url, x[i]) for i in range(4)]
+        assert all(r[0] == 503 and r[2].get("retry-after") for r in refused), [r[:2] for r in refused]
+        assert max(r[3] for r in refused) < 3 + 2  # within serve.partition_timeout_s: none hangs
+        cluster.restart_node_b()
+        deadline, answered = time.monotonic() + 180, []
+        while time.monotonic() < deadline and len(answered) < 10:
+            status, body, _, _ = search(url, x[len(answered) * 7])
+            if status == 200:
+                assert [h["item_id"] for h in body["hits"]] == expected(len(answered) * 7)  # in full
+                answered.append(status)
+            else:
+                assert status == 503
+                answered.clear()
+                time.sleep(1)
+        assert len(answered) == 10, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGINT)  # stop_service: the app leaves the cluster
+        proc.wait(timeout=60)

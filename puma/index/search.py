@@ -79,6 +79,7 @@ class ShardedIndex:
         self._cpu_coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
         self._coarse = None if on_gpu else self._cpu_coarse
         self._loaded = loaded
+        self._ivfs: dict[int, faiss.IndexIVF] = {}  # id(CPU shard) -> its IVF view (_ivf)
         self._shards = [s.index for s in loaded]
         cpu_copies = [s.cpu_index for s in loaded] if keep_cpu else None
         self._cpu_shards = self._shards if not on_gpu else cpu_copies
@@ -91,18 +92,20 @@ class ShardedIndex:
 
     @classmethod
     def open(cls, uri: str, nprobe: int = 16, use_gpu: bool = True, check: bool = False,
-             query_chunk: int = 65536, keep_cpu: bool = False) -> ShardedIndex:
+             query_chunk: int = 65536, keep_cpu: bool = False,
+             manifest: Manifest | None = None) -> ShardedIndex:
         """Load every committed shard (checksums checked as loaded; ``check`` runs a full verify).
 
         ``uri`` may be an index location with versions: its live version is opened.
         ``keep_cpu``: on GPU, also keep the CPU shards for restricted (``allowed``) searches.
+        ``manifest``: the shards to load (e.g. one partition's, puma.serve.partitions), default all.
         """
         from puma.index.versions import resolve
 
         uri = resolve(uri)
         if check:
             verify(uri).raise_if_bad()
-        manifest = read_manifest(uri)
+        manifest = manifest or read_manifest(uri)
         if not manifest.shards:
             raise IndexInputError(f"index {uri} has no shards yet; add items before searching")
         trained = backend.deserialize(_read_checked(uri, manifest.trained))
@@ -179,6 +182,14 @@ class ShardedIndex:
         rows = np.where(flat >= 0, self._offsets[shard] + flat - self._starts[shard], -1)
         return rows.reshape(ids.shape)
 
+    def global_ids(self, rows: np.ndarray) -> np.ndarray:
+        """Rows (n,) -> their FAISS global ids (n,): the same item's id in any subset of the shards."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self._gapless:
+            return rows
+        shard = np.searchsorted(self._offsets, rows, side="right") - 1
+        return self._starts[shard] + rows - self._offsets[shard]
+
     def _id_mask(self, rows_mask: np.ndarray) -> np.ndarray:
         """A bool mask over rows -> the same selection as a mask over FAISS global ids."""
         if self._gapless:
@@ -196,14 +207,24 @@ class ShardedIndex:
         if self.manifest.nlist:  # IVF: every shard visits the same nprobe lists
             nprobe = min(nprobe, self.manifest.nlist)
             for shard in shards:
-                backend.set_nprobe(shard, nprobe, not on_cpu)
+                if on_cpu:
+                    self._ivf(shard).nprobe = nprobe
+                else:
+                    backend.set_nprobe(shard, nprobe, True)
         if coarse is None:
             results = [backend.search(shard, q, k, selector) for shard in shards]
         else:
             coarse_scores, lists = coarse.search(q, nprobe)  # (Q, nprobe) each, once for all shards
-            results = [backend.search_preassigned(backend.ivf_of(s), q, k, lists, coarse_scores, selector)
+            results = [backend.search_preassigned(self._ivf(s), q, k, lists, coarse_scores, selector)
                        for s in shards]
         return merge_topk([r[0] for r in results], [r[1] for r in results], k, self.manifest.metric == "ip")
+
+    def _ivf(self, shard: faiss.Index) -> faiss.IndexIVF:
+        """The IVF view of a CPU shard, looked up once (a SWIG call per shard and query otherwise)."""
+        ivf = self._ivfs.get(id(shard))
+        if ivf is None:
+            ivf = self._ivfs[id(shard)] = backend.ivf_of(shard)
+        return ivf
 
     def _check_allowed(self, allowed: np.ndarray) -> np.ndarray:
         mask = np.asarray(allowed)

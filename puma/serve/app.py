@@ -1,22 +1,30 @@
-"""The Ray Serve application of the search service: three deployments and the app builder.
+"""The Ray Serve application of the search service: its deployments and the app builder.
 
     HTTP --> SearchIngress   FastAPI: bearer token, body limits, request parsing
                              (puma.serve.requests), query images decoded into the model's eval view;
-                             pins every request to one version (model + index) of the location
+                             pins every request to one version (model + index) of the location.
+                             With serve.ingress=direct it listens on serve.port itself (no proxy).
                |--> QueryModel      the version's checkpoint's model; @serve.batch: images that
                |                    arrive together share one forward; on a GPU when there is one
-               '--> IndexSearcher   the shards (puma.serve.live_index; faiss-gpu when on a GPU),
-                                    dataset / catalogue filters, hits; watches the manifest
-                                    (serve.watch_interval_s) and loads new shards without a restart
+               |    LocalIndex      serve.index_partitions=1: the whole index in the ingress replica
+               |                    (puma.serve.live_index): vector and item-id queries never leave it
+               '--> IndexPartition  serve.index_partitions=N>1: N deployments, each holding its
+                    x N             shards (puma.serve.partitions; faiss-gpu when on a GPU); a query
+                                    fans out to all and their top-k are merged exactly
+
+Every replica holding index shards watches the manifest (serve.watch_interval_s) and loads new
+shards without a restart.
 
 A new model goes live without a restart: when the location's alias names a new version, the
-ingress's watcher asks the model and index deployments to load it beside the old one and only then
+ingress's watcher asks the model and index to load it beside the old one and only then
 pins new requests to it, so a query is always embedded and searched by one model; requests already
 running finish on the old version, which the replicas drop after serve.version_grace_s. Every
 response names the version and model id that answered.
 
-QueryModel and IndexSearcher autoscale between serve.*_min_replicas and serve.*_max_replicas on
-ongoing requests (serve.target_ongoing_requests). Routes: ``GET /`` the page, ``POST /search``,
+QueryModel and each IndexPartition autoscale between serve.*_min_replicas and serve.*_max_replicas
+on ongoing requests (serve.target_ongoing_requests). An ingress replica works on
+serve.max_ongoing_requests at once and queues serve.max_queued_requests more; beyond that a request
+gets 503 with Retry-After at once. Routes: ``GET /`` the page, ``POST /search``,
 ``GET /image?item_id=`` (a thumbnail of an indexed item), ``GET /stats``, ``GET /healthz`` (no
 token). Every refusal is JSON ``{"error": "<one line>", "status": N}`` with that HTTP status.
 
@@ -30,6 +38,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import math
 import os
 import threading
 import time
@@ -45,11 +54,13 @@ from ray.serve import Application
 from puma import storage
 from puma.config import Config, IndexConfig
 from puma.data.images import ViewSpec, eval_view_spec
+from puma.faults import fault_delay
 from puma.index.manifest import read_manifest
 from puma.index.versions import read_alias, version_uri
 from puma.inference.embedder import Embedder, use_storage
 from puma.serve.errors import RequestError, as_request_error
 from puma.serve.live_index import ServedIndexes
+from puma.serve.partitions import FanOut, Partition
 from puma.serve.plan import ServicePlan, plan_service
 from puma.serve.requests import Limits, SearchRequest, image_view, media_type, parse_request
 
@@ -81,6 +92,22 @@ def body_limit(content_type: str, max_upload_bytes: int) -> int:
     if media_type(content_type) in ("application/json", "multipart/form-data"):
         return max_upload_bytes * 4 // 3 + 64 * 1024
     return max_upload_bytes
+
+
+def unavailable(exc: BaseException) -> RequestError | None:
+    """503 for a deployment that cannot answer now (a replica died or restarts, a node was lost, its
+    queue is full): the client retries after Retry-After; None for other failures."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    kinds = (ActorDiedError, ActorUnavailableError, RayActorError, BackPressureError,
+             DeploymentUnavailableError)
+    for candidate in (exc, getattr(exc, "cause", None), exc.__cause__):
+        if isinstance(candidate, kinds):
+            return RequestError(503, "a replica this request needs is unavailable "
+                                     f"({type(candidate).__name__}: restarting, or its node was lost); "
+                                     "retry after the Retry-After seconds")
+    return None
 
 
 def _params(request: Request) -> dict[str, list[str]]:
@@ -148,15 +175,14 @@ class QueryModel:
                 "device": device, "checkpoints": list(self.embedders), "runtime": self.options[4]}
 
 
-@serve.deployment
-class IndexSearcher:
-    """The index's shards in memory, searched with filters; new shards and new versions loaded as
-    they are committed and promoted."""
+class Watched:
+    """A replica's ServedIndexes (every shard, or one partition's) with the thread that refreshes it
+    every watch_interval_s: new shards and a new live version are loaded without a restart."""
 
     def __init__(self, index_cfg: IndexConfig, dim: int, storage_cfg, watch_interval_s: float,
-                 grace_s: float = 30.0) -> None:
+                 grace_s: float, partition: Partition = Partition()) -> None:
         use_storage(storage_cfg)
-        self.served = ServedIndexes(index_cfg, dim, grace_s)
+        self.served = ServedIndexes(index_cfg, dim, grace_s, partition)
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), name="watch", daemon=True)
@@ -169,24 +195,6 @@ class IndexSearcher:
             except Exception:  # noqa: BLE001 - a storage hiccup must not stop the watch; the next tick retries
                 log.exception("reading the index at %s failed; serving what is loaded", self.served.location)
 
-    def prepare(self, version: str) -> int:
-        """Load ``version`` now (before requests are pinned to it); returns its items."""
-        return self.served.get(version).state.items
-
-    def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
-                      version: str | None = None) -> list[dict]:
-        with self.served.use(version) as live:
-            return live.search_vector(vector, k, datasets, catalogues)
-
-    def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
-                    include_self: bool, version: str | None = None) -> list[dict]:
-        with self.served.use(version) as live:
-            return live.search_item(item_id, k, datasets, catalogues, include_self)
-
-    def thumbnail(self, item_id: str, version: str | None = None) -> bytes:
-        with self.served.use(version) as live:
-            return live.thumbnail(item_id)
-
     def stats(self) -> dict:
         """The served index's stats, and which replica answered since when (a restart changes both)."""
         replica = serve.get_replica_context().replica_id.unique_id
@@ -198,8 +206,115 @@ class IndexSearcher:
         live = self.served.get()
         return {"items": live.state.items, "refused_update": live.refused, "version": self.served.live}
 
-    def __del__(self) -> None:
+    def stop(self) -> None:
         self._stop.set()
+
+
+class LocalIndex(Watched):
+    """The whole index inside the ingress replica (serve.index_partitions=1): vector and item-id
+    queries are searched in the process that parsed them, with no actor hop."""
+
+    async def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
+                            version: str) -> list[dict]:
+        """Filtered queries one by one; unfiltered ones that wait together share one FAISS call."""
+        if datasets or catalogues:
+            with self.served.use(version) as live:
+                return live.search_vector(vector, k, datasets, catalogues)
+        self.served.get(version).check_vector(vector)  # a wrong length fails alone, not its batch
+        return await self._together(vector, k, version)
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)
+    async def _together(self, vectors: list, ks: list, versions: list) -> list[list[dict]]:
+        """The unfiltered queries waiting now (none waits for more): one search per version, trimmed to
+        each query's k (identical to searching each alone)."""
+        out: list = [None] * len(vectors)
+        for version in dict.fromkeys(versions):
+            rows = [i for i, v in enumerate(versions) if v == version]
+            with self.served.use(version) as live:
+                hits = live.search_vectors([vectors[i] for i in rows], max(ks[i] for i in rows))
+            for i, found in zip(rows, hits, strict=True):
+                out[i] = found[:ks[i]]
+        return out
+
+    async def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
+                          include_self: bool, version: str) -> list[dict]:
+        with self.served.use(version) as live:
+            return live.search_item(item_id, k, datasets, catalogues, include_self)
+
+    async def thumbnail(self, item_id: str, version: str) -> bytes:
+        with self.served.use(version) as live:
+            return await asyncio.to_thread(live.thumbnail, item_id)
+
+    def prepare(self, version: str) -> int:
+        """Load ``version`` now (from the alias thread, before requests are pinned to it); its items."""
+        return self.served.get(version).state.items
+
+    async def stats_async(self) -> dict:
+        return self.stats()
+
+    async def health_async(self) -> dict:
+        return self.health()
+
+
+@serve.deployment
+class IndexPartition:
+    """One partition of the index (serve.index_partitions > 1): the shards puma.serve.partitions
+    assigns it, searched with filters; the ingress fans a query out to every partition and merges."""
+
+    def __init__(self, index_cfg: IndexConfig, dim: int, storage_cfg, watch_interval_s: float,
+                 grace_s: float, partition: Partition) -> None:
+        self.index = Watched(index_cfg, dim, storage_cfg, watch_interval_s, grace_s, partition)
+
+    def prepare(self, version: str) -> int:
+        return self.index.served.get(version).state.items
+
+    def search_part(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
+                    version: str) -> dict:
+        with self.index.served.use(version) as live:
+            return live.search_part(vector, k, datasets, catalogues)
+
+    def vector_of(self, item_id: str, version: str) -> np.ndarray | None:
+        with self.index.served.use(version) as live:
+            return live.vector_of(item_id)
+
+    def thumbnail(self, item_id: str, version: str) -> bytes | None:
+        """The item's thumbnail, None when this partition does not hold the item."""
+        with self.index.served.use(version) as live:
+            return live.thumbnail(item_id) if live.holds(item_id) else None
+
+    def stats(self) -> dict:
+        return self.index.stats()
+
+    def health(self) -> dict:
+        return self.index.health()
+
+    def __del__(self) -> None:
+        self.index.stop()
+
+
+class PartitionedIndex(FanOut):
+    """The ingress's view of the IndexPartition deployments (puma.serve.partitions.FanOut): every query
+    goes to all of them at once and their top-k are merged exactly."""
+
+    def __init__(self, handles: list, timeout_s: float) -> None:
+        self.handles, self.timeout_s = handles, timeout_s
+
+    async def _all(self, method: str, *args) -> list:
+        """Every partition's answer; 503 when one does not answer within serve.partition_timeout_s (its
+        node lost, its replica restarting: Serve would hold the call until a replica is back)."""
+        calls = [getattr(h, method).remote(*args) for h in self.handles]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s))
+        except asyncio.TimeoutError:
+            for call in calls:
+                call.cancel()
+            raise RequestError(503, f"an index partition did not answer within {self.timeout_s:g} s "
+                                    "(serve.partition_timeout_s: its node lost or its replica restarting); "
+                                    "retry after the Retry-After seconds") from None
+
+    def prepare(self, version: str) -> int:
+        """Every partition loads ``version`` (from the alias thread, blocking); the index's items."""
+        return sum(h.prepare.remote(version).result() for h in self.handles)
 
 
 @dataclass(frozen=True)
@@ -217,9 +332,13 @@ class Pinned:
 class SearchIngress:
     """HTTP: the page, search, thumbnails, stats and health; refusals as one-line JSON errors."""
 
-    def __init__(self, index, model, pinned: Pinned, limits: Limits, token_env: str, location: str = "",
-                 storage_cfg=None, watch_interval_s: float = 10.0) -> None:
-        self.index, self.model, self.limits = index, model, limits
+    def __init__(self, partitions: list | None, local: dict, model, pinned: Pinned, limits: Limits,
+                 token_env: str, location: str = "", storage_cfg=None, watch_interval_s: float = 10.0,
+                 timeout_s: float = 5.0) -> None:
+        # partitions: the IndexPartition deployments' handles; none: this replica holds the index (local:
+        # LocalIndex's arguments)
+        self.index = PartitionedIndex(partitions, timeout_s) if partitions else LocalIndex(**local)
+        self.model, self.limits = model, limits
         self.token_env, self.token = token_env, os.environ.get(token_env, "")
         self.pinned, self.location = pinned, location
         self.page = resources.files("puma.serve").joinpath("page.html").read_text()
@@ -246,7 +365,7 @@ class SearchIngress:
         view = None
         if self.model is not None:
             view = self.model.prepare.remote(manifest.checkpoint).result()
-        self.index.prepare.remote(version).result()
+        self.index.prepare(version)
         return Pinned(version, manifest.model_id, manifest.checkpoint, view)
 
     @api.get("/", response_class=HTMLResponse)
@@ -276,23 +395,25 @@ class SearchIngress:
         try:
             result = await work(*args)
         except Exception as exc:  # noqa: BLE001 - every failure gets a JSON answer
-            error = as_request_error(exc)
+            error = as_request_error(exc) or unavailable(exc)
             if error is None:
                 log.exception("internal error")
                 error = RequestError(500, f"internal error: {type(exc).__name__}; see the replica's log")
             headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+            if error.status == 503:
+                headers = {"Retry-After": f"{math.ceil(self.limits.retry_after_s)}"}
             return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
         return result if isinstance(result, Response) else JSONResponse(result)
 
     async def _health(self) -> dict:
-        health = await self.index.health.remote()
+        health = await self.index.health_async()
         return {"status": "ok", "items": health["items"], "auth": bool(self.token),
                 "image_queries": self.model is not None, "version": self.pinned.version,
                 "model_id": self.pinned.model_id}
 
     async def _stats(self, request: Request) -> dict:
         self._authorise(request)
-        stats = {"index": await self.index.stats.remote(), "auth": bool(self.token),
+        stats = {"index": await self.index.stats_async(), "auth": bool(self.token),
                  "version": self.pinned.version, "model_id": self.pinned.model_id,
                  "image_queries": self.model is not None, "limits": dataclasses.asdict(self.limits)}
         if self.model is not None:
@@ -305,6 +426,7 @@ class SearchIngress:
         content_type = request.headers.get("content-type", "")
         body = await read_body(request, body_limit(content_type, self.limits.max_upload_bytes))
         query = parse_request(content_type, body, _params(request), self.limits)
+        await fault_delay("serve.search")
         pinned = self.pinned  # one version answers the whole request
         hits = await self._hits(query, pinned)
         return {"query": query.describe(), "hits": hits, "model_id": pinned.model_id,
@@ -312,8 +434,8 @@ class SearchIngress:
 
     async def _hits(self, query: SearchRequest, pinned: Pinned) -> list[dict]:
         if query.kind == "item_id":
-            return await self.index.search_item.remote(query.item_id, query.k, query.datasets,
-                                                       query.catalogues, query.include_self, pinned.version)
+            return await self.index.search_item(query.item_id, query.k, query.datasets, query.catalogues,
+                                                query.include_self, pinned.version)
         vector = query.vector
         if query.kind == "image":
             if self.model is None:
@@ -321,15 +443,15 @@ class SearchIngress:
                                         "send an item_id or a vector")
             view = await asyncio.to_thread(image_view, query.image, pinned.view, self.limits.max_image_pixels)
             vector = await self.model.embed.remote(view, pinned.checkpoint)
-        return await self.index.search_vector.remote(vector, query.k, query.datasets, query.catalogues,
-                                                     pinned.version)
+        return await self.index.search_vector(vector, query.k, query.datasets, query.catalogues,
+                                              pinned.version)
 
     async def _image(self, request: Request) -> Response:
         self._authorise(request)
         item_id = request.query_params.get("item_id", "")
         if not item_id:
             raise RequestError(400, "give the item: GET /image?item_id=<an indexed item id>")
-        data = await self.index.thumbnail.remote(item_id, self.pinned.version)
+        data = await self.index.thumbnail(item_id, self.pinned.version)
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
 
     def _authorise(self, request: Request) -> None:
@@ -346,13 +468,18 @@ class SearchIngress:
 
 
 def build_app(plan: ServicePlan) -> Application:
-    """The application for a checked plan: index and model deployments behind the HTTP ingress."""
+    """The application for a checked plan: the model deployment, and the index in the ingress or in
+    plan.partitions partition deployments, behind the HTTP ingress."""
     cfg, s = plan.cfg, plan.cfg.serve
     use_gpu = gpus_wanted(cfg)
     options = deployment_options(cfg, use_gpu)
     index_cfg = dataclasses.replace(cfg.index, use_gpu=cfg.index.use_gpu and use_gpu)
-    index = IndexSearcher.options(**options["index"]).bind(
-        index_cfg, plan.manifest.dim, storage.current_config(), s.watch_interval_s, s.version_grace_s)
+    index_args = {"index_cfg": index_cfg, "dim": plan.manifest.dim, "storage_cfg": storage.current_config(),
+                  "watch_interval_s": s.watch_interval_s, "grace_s": s.version_grace_s}
+    partitions = None
+    if plan.partitions > 1:
+        partitions = [IndexPartition.options(**options["index"], name=f"index-{p}").bind(
+            **index_args, partition=Partition(p, plan.partitions)) for p in range(plan.partitions)]
     model = None
     if s.image_queries:
         model = QueryModel.options(**options["model"]).bind(
@@ -360,26 +487,33 @@ def build_app(plan: ServicePlan) -> Application:
             max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s, cfg.data.min_image_size,
             s.runtime)
     pinned = Pinned(plan.version, plan.model_id, plan.checkpoint, plan.view)
+    local = {} if partitions else {**index_args, "index_cfg": dataclasses.replace(cfg.index, use_gpu=False)}
     return SearchIngress.options(**options["ingress"]).bind(
-        index, model, pinned, Limits.from_config(s), s.token_env, cfg.index.uri, storage.current_config(),
-        s.watch_interval_s)
+        partitions, local, model, pinned, Limits.from_config(s), s.token_env, cfg.index.uri,
+        storage.current_config(), s.watch_interval_s, s.partition_timeout_s)
 
 
 def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:
-    """Replicas, autoscaling and resources of the three deployments (GPUs only when ``use_gpu``)."""
+    """Replicas, autoscaling, resources and load limits of the deployments (GPUs only when ``use_gpu``)."""
     s = cfg.serve
     index_scaling = _autoscaling(s.index_min_replicas, s.index_max_replicas, s.target_ongoing_requests)
     # a model replica is busy, not overloaded, with a full batch in flight: scale past that
     model_scaling = _autoscaling(s.model_min_replicas, s.model_max_replicas, float(s.max_batch_size))
+    ingress = {"name": "ingress", "num_replicas": s.ingress_replicas,
+               "max_ongoing_requests": s.max_ongoing_requests, "max_queued_requests": s.max_queued_requests,
+               "backpressure_config": {"status_code": 503, "retry_after_s": s.retry_after_s},
+               "ray_actor_options": {**_resources(s.ingress_num_cpus, 0.0),
+                                     **({"resources": s.ingress_resources} if s.ingress_resources else {})}}
+    if s.ingress == "direct":
+        ingress["max_replicas_per_node"] = 1  # each listens on serve.port of its node
     return {
-        "index": {"name": "index", "autoscaling_config": index_scaling, "max_ongoing_requests": 16,
-                  "ray_actor_options": _resources(s.index_num_cpus, s.index_num_gpus if use_gpu else 0.0)},
+        "index": {"autoscaling_config": index_scaling, "max_ongoing_requests": 16,
+                  "ray_actor_options": {**_resources(s.index_num_cpus, s.index_num_gpus if use_gpu else 0.0),
+                                        **({"resources": s.index_resources} if s.index_resources else {})}},
         "model": {"name": "model", "autoscaling_config": model_scaling,
                   "max_ongoing_requests": max(2 * s.max_batch_size, 8),  # room to fill a batch and queue one
                   "ray_actor_options": _resources(s.model_num_cpus, s.model_num_gpus if use_gpu else 0.0)},
-        # async and light: requests wait here (for a batch, a search), not in the proxy's queue
-        "ingress": {"name": "ingress", "num_replicas": s.ingress_replicas, "max_ongoing_requests": 64,
-                    "ray_actor_options": _resources(s.ingress_num_cpus, 0.0)},
+        "ingress": ingress,
     }
 
 

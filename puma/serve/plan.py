@@ -21,6 +21,7 @@ from puma.index.manifest import Manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.versions import read_alias, resolve
 from puma.serve.errors import ServiceSetupError
+from puma.serve.partitions import partitions_for
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ServicePlan:
     checkpoint: str = ""  # '' when image queries are off
     view: ViewSpec | None = None  # the model's eval view for query images
     version: str = ""  # the live version served ('' for a location without versions)
+    partitions: int = 1  # index partitions (serve.index_partitions, or picked from the index's size)
+    partitions_reason: str = ""  # one line: the index's size and how the count was chosen
 
     @property
     def model_id(self) -> str:
@@ -54,6 +57,8 @@ def plan_service(cfg: Config) -> ServicePlan:
         raise ServiceSetupError(f"{exc}; embed a catalogue first: python jobs/embed.py --catalogue URI "
                                 f"index.uri={cfg.index.uri}") from exc
     plan = ServicePlan(cfg, manifest, version=alias.live if alias else "")
+    plan.partitions, plan.partitions_reason = partitions_for(manifest, cfg.serve.index_partitions,
+                                                             cfg.serve.index_replica_memory_gb)
     if cfg.serve.image_queries:
         plan.checkpoint, plan.view = check_model(cfg, manifest)
     return plan

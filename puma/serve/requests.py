@@ -53,10 +53,11 @@ class Limits:
     max_k: int = 100
     max_upload_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 40_000_000
+    retry_after_s: float = 1.0  # the Retry-After of the service's own 503s
 
     @classmethod
     def from_config(cls, cfg: ServeConfig) -> Limits:
-        return cls(cfg.default_k, cfg.max_k, cfg.max_upload_bytes, cfg.max_image_pixels)
+        return cls(cfg.default_k, cfg.max_k, cfg.max_upload_bytes, cfg.max_image_pixels, cfg.retry_after_s)
 
 
 @dataclass
@@ -176,8 +177,7 @@ def parse_k(value, max_k: int) -> int:
 
 def parse_vector(value) -> np.ndarray:
     """A JSON list of numbers -> (E,) float32; 400 if not a list of numbers, 422 if empty or not finite."""
-    if not isinstance(value, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                              for x in value):
+    if not isinstance(value, list) or not {type(x) for x in value} <= {int, float}:  # bool is not int here
         raise RequestError(400, "vector must be a list of numbers, e.g. [0.12, -0.03, ...]")
     with np.errstate(over="ignore"):
         vector = np.asarray(value, dtype=np.float32)  # (E,); beyond float32 becomes inf, refused below

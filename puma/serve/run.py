@@ -1,8 +1,16 @@
 """Start the search service from a driver (jobs/serve.py, bench/bench_serve.py), wait, stop it.
 
-The plan (index, checkpoint, model id) is checked before Ray starts; then the driver joins the
-cluster named by RAY_ADDRESS or starts a local one on 127.0.0.1 (puma.runtime.init_ray), starts
-Serve's HTTP proxy on serve.host:serve.port and deploys the app (puma.serve.app).
+The plan (index, checkpoint, model id, index partitions) is checked before Ray starts; then the
+driver joins the cluster named by RAY_ADDRESS or starts a local one on 127.0.0.1
+(puma.runtime.init_ray) and deploys the app (puma.serve.app) on serve.host:serve.port.
+
+How traffic reaches the ingress: with serve.ingress=direct (the default) the ingress replica itself
+listens on serve.port (Ray Serve's direct ingress: no proxy hop; one ingress replica per node; Ray
+still runs one HTTP proxy, on the head node, which this puts on serve.port + 1). Ray reads that mode
+from its environment when the cluster starts: a local Ray started here gets direct_ingress_env; a
+cluster (``ray start``) must set the same variables on its nodes, else Serve's HTTP proxy answers on
+serve.port + 1 only. The KubeRay RayService (infra/base/rayservice.yaml) uses serve.ingress=proxy:
+KubeRay routes its Service to the pods whose proxy is healthy.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from puma.config import Config
+from puma.config import Config, ServeConfig
 from puma.serve.errors import ServiceSetupError
 from puma.serve.plan import ServicePlan, plan_service
 
@@ -34,18 +42,39 @@ def start_service(cfg: Config) -> RunningService:
     s = plan.cfg.serve
     local = not os.environ.get("RAY_ADDRESS")
     if local:
-        check_port_free(s.host, s.port)
+        for port in {s.port, proxy_port(s)}:
+            check_port_free(s.host, port)
     from ray import serve
 
     from puma.runtime import init_ray
     from puma.serve.app import build_app
 
+    if local:
+        os.environ.update(direct_ingress_env(s))
     where = init_ray()
-    serve.start(http_options={"host": s.host, "port": s.port})
+    serve.start(http_options={"host": s.host, "port": proxy_port(s)})
     serve.run(build_app(plan), name=s.app_name, route_prefix="/",
               logging_config={"enable_access_log": s.access_log})
     host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
     return RunningService(f"http://{host}:{s.port}/", plan, where, local)
+
+
+def direct_ingress_env(s: ServeConfig) -> dict[str, str]:
+    """Ray Serve's settings for serve.ingress (set before the cluster starts): direct ingress with the
+    ingress replicas' ports starting at serve.port (the first replica on a node gets serve.port), and a
+    short drain on a local machine (Ray's default of 30 s waits for cloud load balancers)."""
+    if s.ingress != "direct":
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(s.port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(s.port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
+def proxy_port(s: ServeConfig) -> int:
+    """Where Serve's HTTP proxy listens: serve.port, or with direct ingress (where Ray keeps one proxy,
+    on the head node, besides the replicas' own servers) the port after it, leaving serve.port to the
+    ingress replica."""
+    return s.port + 1 if s.ingress == "direct" else s.port
 
 
 def stop_service(service: RunningService) -> None:
