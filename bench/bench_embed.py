@@ -122,10 +122,24 @@ def whole_job(ckpt: str, catalogue: Path, index: Path, cpus: int, batch_size: in
                              "embed.concurrency=1", f"embed.batch_size={batch_size}",
                              f"data.decode_batch_size={batch_size}", "embed.commit_rows=100000",
                              f"embed.runtime={runtime}", *extra])
+    wait_for_idle_cluster()
     start = time.perf_counter()
     with first_batch_time() as first:
         report = embed_catalogue(cfg, str(catalogue))
     return time.perf_counter() - start, first["at"] - start, first["rows"], report
+
+
+def wait_for_idle_cluster(timeout_s: float = 60.0) -> None:
+    """Wait until every logical CPU of the local Ray is free again: the previous job's actors have
+    exited, so each timed job starts on an idle cluster (as a nightly run does)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0.0) >= ray.cluster_resources().get("CPU", 0.0):
+            time.sleep(1.0)  # the exited processes' last CPU
+            return
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
