@@ -415,7 +415,8 @@ def report(env: dict, rows: dict[tuple[str, int], Row], recall: float, args: arg
     print(text)
     if not args.no_save:
         payload = {"setting": env, "rows": summaries, "ratios": ratio_rows, "recall_at_k": recall}
-        record("serve", payload, text, title="bench_serve: search service vs reference servers, FAISS and numpy")
+        record("serve", payload, text,
+               title="bench_serve: search service vs reference servers, FAISS and numpy")
     return 1 if any(r.errors for r in rows.values()) else 0
 
 

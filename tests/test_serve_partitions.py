@@ -66,7 +66,8 @@ def check_queries(one: LiveIndex, fan: LocalFanOut, n: int, seed: int) -> int:
     for i in range(n):
         k = int(rng.integers(1, 25))
         datasets = tuple(rng.choice(DATASETS, int(rng.integers(0, 3)), replace=False).tolist())
-        catalogues = tuple(rng.choice(["shop_a", CATALOGUES[1]], int(rng.integers(0, 2)), replace=False).tolist())
+        names = ["shop_a", CATALOGUES[1]]  # by folder name and by URI
+        catalogues = tuple(rng.choice(names, int(rng.integers(0, 2)), replace=False).tolist())
         if i % 4 == 3:
             item, include_self = ids[int(rng.integers(len(ids)))], bool(i % 8 == 3)
             want = one.search_item(item, k, datasets, catalogues, include_self)
