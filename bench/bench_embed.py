@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
              f"speed does not depend on trained values), batch {args.batch_size}, {args.cpus} cores. Bare "
              "loop: read, decode, eval view, forward in one process. Whole job: "
              "puma.inference.embed_catalogue with embed.runtime on a local Ray started before timing "
-             "(model load, Ray Data decode tasks, one actor, index commits inside the timed region).")
+             "(model load, Ray Data decode tasks, the embedding actors (embed.concurrency), index commits "
+             "inside the timed region).")
     setup += f" Overrides: {' '.join(args.set)}." if args.set else ""
     payload = {"n": args.n, "model": args.model, "img_size": backbone.img_size, "batch_size": args.batch_size,
                "cpus": args.cpus, "overrides": args.set, "rows": rows}
