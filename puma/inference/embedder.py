@@ -187,7 +187,6 @@ class Embedder:
         out[EMBEDDING] = emb
         return out
 
-
     def _views(self, batch: dict[str, np.ndarray]):
         """The batch's eval views (B, 3, S, S): the decode tasks' float32 views as they are for ONNX
         Runtime (no PyTorch import), else puma.data.device_views.batch_images on the actor's device."""

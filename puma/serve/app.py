@@ -195,6 +195,10 @@ class Watched:
             except Exception:  # noqa: BLE001 - a storage hiccup must not stop the watch; the next tick retries
                 log.exception("reading the index at %s failed; serving what is loaded", self.served.location)
 
+    def prepare(self, version: str) -> int:
+        """Load ``version`` now (before requests are pinned to it; blocking); its items."""
+        return self.served.get(version).state.items
+
     def stats(self) -> dict:
         """The served index's stats, and which replica answered since when (a restart changes both)."""
         replica = serve.get_replica_context().replica_id.unique_id
@@ -245,10 +249,6 @@ class LocalIndex(Watched):
         with self.served.use(version) as live:
             return await asyncio.to_thread(live.thumbnail, item_id)
 
-    def prepare(self, version: str) -> int:
-        """Load ``version`` now (from the alias thread, before requests are pinned to it); its items."""
-        return self.served.get(version).state.items
-
     async def stats_async(self) -> dict:
         return self.stats()
 
@@ -266,7 +266,7 @@ class IndexPartition:
         self.index = Watched(index_cfg, dim, storage_cfg, watch_interval_s, grace_s, partition)
 
     def prepare(self, version: str) -> int:
-        return self.index.served.get(version).state.items
+        return self.index.prepare(version)
 
     def search_part(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
                     version: str) -> dict:

@@ -163,18 +163,23 @@ class LiveIndex:
 
     def holds(self, item_id: str) -> bool:
         """Whether this index (partition) holds the live item ``item_id``."""
-        state = self.state
-        if state.index is None or not state.items:
-            return False
-        try:
-            state.index.lookup([item_id])
-        except IndexInputError:
-            return False
-        return True
+        return self._holder(item_id) is not None
 
     def vector_of(self, item_id: str) -> np.ndarray | None:
         """An indexed item's stored embedding (E,), None when this index (partition) does not hold it."""
-        return self.state.index.embeddings([item_id])[0] if self.holds(item_id) else None
+        state = self._holder(item_id)  # one state for the check and the read: a refresh may come between
+        return None if state is None else state.index.embeddings([item_id])[0]
+
+    def _holder(self, item_id: str) -> State | None:
+        """The served state if it holds the live item ``item_id``, else None."""
+        state = self.state
+        if state.index is None or not state.items:
+            return None
+        try:
+            state.index.lookup([item_id])
+        except IndexInputError:
+            return None
+        return state
 
     def check_vector(self, vector: np.ndarray) -> None:
         if vector.shape != (self.dim,):
@@ -388,9 +393,10 @@ def _mask(meta: pa.Table, column: str, names: tuple[str, ...], live: np.ndarray)
 def _catalogue_mask(meta: pa.Table, names: tuple[str, ...], live: np.ndarray) -> tuple[np.ndarray, list]:
     """Items of the named catalogues, each named by its URI or its folder name; and unknown names."""
     by_name = _catalogue_names(meta, live)
-    mask, _ = _mask(meta, CATALOGUE, tuple(sorted({by_name[n] for n in names if n in by_name})), live)
-    if names and not any(n in by_name for n in names):
-        mask = np.zeros(len(meta), dtype=bool)
+    uris = tuple(sorted({by_name[n] for n in names if n in by_name}))
+    if names and not uris:  # only unknown names: no item (an empty name list means no filter)
+        return np.zeros(len(meta), dtype=bool), list(names)
+    mask, _ = _mask(meta, CATALOGUE, uris, live)
     return mask, [n for n in names if n not in by_name]
 
 
