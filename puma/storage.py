@@ -112,6 +112,11 @@ def _check_configured() -> None:
                            "there first (else it would use the default endpoint, not storage.endpoint_url)")
 
 
+def configured() -> bool:
+    """Whether ``configure`` has run in this process (a Ray worker needs it before reaching S3)."""
+    return _configured
+
+
 def current_config() -> _S3Settings:
     """The S3 settings in force in this process, to hand to Ray tasks and actors (``configure`` them)."""
     return _S3Settings(endpoint_url=s3_endpoint(), region=s3_region(),

@@ -282,3 +282,25 @@ def test_a_ray_task_that_uses_s3_without_the_drivers_settings_fails_loudly(ray_c
     with pytest.raises(ray.exceptions.RayTaskError, match="before its storage settings arrived"):
         ray.get(task.remote(uri, None))
     assert ray.get(task.remote(uri, storage.current_config())) == b"payload"
+
+
+def _read_after_use_storage(uri: str, settings) -> bytes:
+    """Run in a Ray worker: what an embedding actor does first, then read ``uri``."""
+    from puma.inference.embedder import use_storage
+
+    use_storage(settings)
+    return storage.read_bytes(uri)
+
+
+def test_an_actor_given_settings_equal_to_its_environments_is_still_configured(ray_cluster, s3_storage):
+    """With the endpoint in AWS_ENDPOINT_URL (the object-storage walk-through), a fresh worker's own
+    settings equal the driver's before it configures anything; it must configure all the same (the embed
+    job's actors once skipped it and refused to read the checkpoint)."""
+    ray = ray_cluster
+    uri = storage.join(s3_storage, "b.bin")
+    storage.write_bytes(uri, b"payload")
+    env = {"AWS_ENDPOINT_URL": storage.s3_endpoint(), "AWS_REGION": storage.s3_region()}
+    driver = storage._S3Settings(endpoint_url=env["AWS_ENDPOINT_URL"], region=env["AWS_REGION"])  # a default
+    # config's current_config() with that environment: the worker's own settings before any configure
+    task = ray.remote(num_cpus=0.1, max_retries=0, runtime_env={"env_vars": env})(_read_after_use_storage)
+    assert ray.get(task.remote(uri, driver)) == b"payload"

@@ -45,8 +45,10 @@ STRING_COLUMNS = (DATASET, CLASS_NAME, ROLE, CATALOGUE, IMAGE_URI, METADATA, STA
 
 
 def use_storage(cfg) -> None:
-    """Configure this worker's storage layer unless it already has these settings."""
-    if storage.current_config() != cfg:
+    """Configure this worker's storage layer unless it already has these settings. Equal settings are
+    not enough: with the endpoint from the environment (AWS_ENDPOINT_URL), an unconfigured worker's
+    defaults equal the driver's, and S3 in a worker still needs ``configure`` to have run."""
+    if not storage.configured() or storage.current_config() != cfg:
         storage.configure(cfg)
 
 
