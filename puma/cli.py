@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -15,6 +16,12 @@ from puma.errors import one_line, user_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+CONFIG_ENV = "PUMA_CONFIG"  # the config a job reads when no --config is given (a site's own default)
+
+
+def default_config() -> str:
+    """The config of a job run without --config: $PUMA_CONFIG when set, else the embedded default."""
+    return os.environ.get(CONFIG_ENV) or str(DEMO_CONFIG)
 
 
 def job_parser(description: str) -> argparse.ArgumentParser:
@@ -22,8 +29,9 @@ def job_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description,
                                      epilog="Overrides are dotted config keys, e.g. train.epochs=5 "
                                             "optim.lr=1e-4; --help-config lists every key.")
-    parser.add_argument("--config", help="YAML config file (local path or s3://); default: "
-                                         f"{DEMO_CONFIG.relative_to(REPO_ROOT)} (the embedded default)")
+    parser.add_argument("--config", help=f"YAML config file (local path or s3://); default: ${CONFIG_ENV} "
+                                         f"when set, else {DEMO_CONFIG.relative_to(REPO_ROOT)} "
+                                         "(the embedded default)")
     parser.add_argument("--help-config", action="store_true",
                         help="list every config key with its type, default and description, and exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -34,11 +42,11 @@ def job_parser(description: str) -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    """Defaults -> --config (or the demo config) -> overrides, then the method's own config checks."""
+    """Defaults -> --config (or $PUMA_CONFIG, or the demo config) -> overrides, then the method's own
+    config checks."""
     from puma.methods import load_config  # torch and every method: not for --help / --help-config
 
-    path = args.config or str(DEMO_CONFIG)
-    return load_config(path, args.overrides)
+    return load_config(args.config or default_config(), args.overrides)
 
 
 def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace,

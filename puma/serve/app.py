@@ -519,12 +519,13 @@ def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:
 
 def build(args: dict[str, str]) -> Application:
     """App builder for ``serve run puma.serve.app:build config=FILE key=value ...`` and RayService:
-    ``config`` names the YAML config (default configs/demo.yaml), every other arg is a dotted key."""
-    from puma.cli import DEMO_CONFIG
+    ``config`` names the YAML config (default $PUMA_CONFIG, else configs/demo.yaml), every other arg is
+    a dotted key."""
+    from puma.cli import default_config
     from puma.methods import load_config
 
     args = dict(args or {})
-    path = args.pop("config", "") or str(DEMO_CONFIG)
+    path = args.pop("config", "") or default_config()
     cfg = load_config(path, [f"{key}={value}" for key, value in args.items()])
     return build_app(plan_service(cfg))
 
