@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import yaml
 
-from puma.cli import job_parser, parse_job_args
+from puma.cli import CONFIG_ENV, job_parser, parse_job_args, resolve_config
 from puma.config import (
     Config,
     ConfigError,
@@ -71,3 +71,16 @@ def test_an_endpoint_must_be_a_url(endpoint):
     with pytest.raises(ConfigError, match=r"storage.endpoint_url="):
         StorageConfig(endpoint_url=endpoint)
     assert StorageConfig(endpoint_url="https://s3.example.com").endpoint_url == "https://s3.example.com"
+
+
+def test_puma_config_is_the_default_config_and_config_still_wins(tmp_path, monkeypatch):
+    site, other = tmp_path / "site.yaml", tmp_path / "other.yaml"
+    site.write_text("train: {epochs: 7}\n")
+    other.write_text("train: {epochs: 9}\n")
+    parser = job_parser("t")
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert resolve_config(parser.parse_args([])).train.epochs == 3  # configs/demo.yaml
+    monkeypatch.setenv(CONFIG_ENV, str(site))
+    assert resolve_config(parser.parse_args([])).train.epochs == 7
+    assert resolve_config(parser.parse_args(["train.epochs=8"])).train.epochs == 8
+    assert resolve_config(parser.parse_args(["--config", str(other)])).train.epochs == 9
