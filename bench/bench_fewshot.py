@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         from puma.report.figures import fewshot_curve
 
-        (RESULTS / "fewshot.png").write_bytes(fewshot_curve(rows))  # the README's picture
+        (RESULTS / "fewshot.png").write_bytes(fewshot_curve(rows))  # drawn on docs/performance.md
     return 0
 
 

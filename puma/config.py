@@ -344,12 +344,12 @@ class DataConfig:
     min_image_size: int = 16  # images whose shorter side is below this are rejected as tiny
     shuffle: str = "global"  # per-epoch shuffle: global (random_shuffle) | block (shard order and rows
     # within each read block, in the read task: no all-to-all, cheaper per core, but a block keeps its rows
-    # every epoch: -0.023 harmonic R@1 on the demo's validation classes, README) | local (block order and a
-    # consumer shuffle buffer) | none
+    # every epoch: -0.023 harmonic R@1 on the demo's validation classes, docs/performance.md) | local (block
+    # order and a consumer shuffle buffer) | none
     shuffle_buffer_rows: int = 1024  # local shuffle buffer for iter_batches consumers (shuffle=local)
     decode_batch_size: int = 128  # rows per Ray Data decode batch (and per embed-job decode task): each
     # output block costs the consumer and the executor a fixed share; 32 cost 20-25% more CPU per row on
-    # CUB-sized photos (profiled: README, "What this round changed")
+    # CUB-sized photos (profiled: docs/performance.md)
     jpeg_draft: bool = True  # decode a JPEG at a reduced DCT scale (1/2, 1/4, 1/8) that still leaves the
     # pixels the view needs (eval: 256 px shorter side at 224; train: 2.6 x img_size): large photos decode
     # several times faster; at 224 px embeddings stay within cosine 0.9997 of a full-size decode

@@ -26,7 +26,7 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; 
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
   $SUDO apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q dataset-fashion-mnist >/dev/null; } \
-    || echo "warning: could not install dataset-fashion-mnist; the demo preset will run without it" >&2
+    || echo "warning: could not install dataset-fashion-mnist; the demo preset needs its files (data.fashion_mnist_dir)" >&2
 fi
 # Debian's chromium and its driver: a real headless browser for the search page test (selenium).
 if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then

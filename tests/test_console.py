@@ -1,29 +1,14 @@
 """The console: progress shown in place on a terminal, as plain periodic lines in logs, and as events
-from Ray workers that the driver shows; and a real training run whose console holds our lines once
-and none of Ray's own (unless --verbose)."""
+from Ray workers that the driver shows. A real training run's console (our lines once, none of Ray's own
+unless --verbose) is tested on the README's own command, in tests/test_quickstarts.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections import Counter
-from pathlib import Path
 
 import pytest
-import yaml
-from tiny import TINY_BACKBONE
 
 from puma import console
-from puma.data.prepare import prepare
-from puma.data.sources import SourceSpec
-
-REPO = Path(__file__).resolve().parent.parent
-FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
 
 
 class Clock:
@@ -134,76 +119,3 @@ def test_worker_events_become_the_drivers_display_and_only_our_lines_are_taken(c
     assert console.take_remote_line("[puma] epoch 1: loss 2.0") and console.take_remote_line(events[0])
     assert console.take_remote_line("[puma.sweep] trial abc starts")
     assert capsys.readouterr().out == "[puma.sweep] trial abc starts\n"
-
-
-# ----------------------------------------------------------------------------- a real job's console
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """A tiny PUMA config on 6 Oxford-Flowers species x 8 real photos (3 train / 3 test classes)."""
-    root = tmp_path_factory.mktemp("console")
-    photos = root / "flowers"
-    for species in sorted(p for p in FLOWERS.iterdir() if p.is_dir())[:6]:
-        (photos / species.name).mkdir(parents=True)
-        for photo in sorted(species.glob("*.jpg"))[:8]:
-            shutil.copy(photo, photos / species.name / photo.name)
-    prepare([SourceSpec("folder", "flowers", str(photos))], str(root / "prepared"), log=lambda _: None)
-    cfg = {"model": {"backbone": dict(TINY_BACKBONE), "adapter": {"rank": 8},
-                     "prompt_pool": {"pool_size": 4, "length": 2}, "head": {"embed_dim": 16}},
-           "data": {"uri": str(root / "prepared"), "preset": "", "decode_batch_size": 8},
-           "train": {"epochs": 2, "batch_size": 8, "cpus_per_worker": 0.5, "storage_path": str(root / "runs"),
-                     "run_name": "console", "max_failures": 0},
-           "eval": {"batch_size": 8}}
-    (root / "tiny.yaml").write_text(yaml.safe_dump(cfg))
-    return root
-
-
-def _train(root: Path, *args: str) -> tuple[int, list[str]]:
-    """jobs/train.py as a user runs it: its own local Ray (the embedded default's path); all lines."""
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths stay < 108 bytes
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", console.CONSOLE_ENV)}
-    env.update(PUMA_RAY_TMP=ray_tmp, PUMA_PROGRESS_EVERY_S="0.5")  # periodic plain lines, even here
-    try:
-        done = subprocess.run([sys.executable, "jobs/train.py", "--config", str(root / "tiny.yaml"), *args],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return done.returncode, (done.stdout + done.stderr).splitlines()
-
-
-RAY_NOISE = re.compile(r"\b(INFO|WARNING|WARN|ERROR|DEBUG)\b|pid=|\(raylet\)|Ray deduplicates|Progress bars|"
-                       r"Deprecat|Warning:|Traceback|faiss|Execution plan|Dataset |Checkpoint successfully")
-
-
-# two jobs/train.py runs with their own local Ray: 58-69 s alone, 83-110 s beside another, 219 s once on CI
-@pytest.mark.budget(240)
-def test_training_console_holds_our_lines_once_and_no_ray_noise(tiny_run):
-    rc, lines = _train(tiny_run)
-    text = "\n".join(lines)
-    assert rc == 0, text[-4000:]
-    repeated = {line: n for line, n in Counter(lines).items() if n > 1}
-    assert not repeated, f"lines printed more than once: {repeated}"
-    noise = [line for line in lines if RAY_NOISE.search(line)]
-    assert not noise, f"Ray's own output on the console: {noise[:10]}"
-    table = [line for line in lines if not line.startswith("[puma")]
-    assert [row.split()[0] for row in table] == ["dataset", "flowers", "unified", "harmonic"], text
-    # a progress display per stage, ending in its final line; periodic lines before it (PUMA_PROGRESS_EVERY_S)
-    for stage in ("evaluation (frozen backbone)", "epoch 1/2", "epoch 2/2", "evaluation after epoch 2"):
-        finals = [line for line in lines if line.startswith(f"[puma] {stage}: ") and " in " in line]
-        assert len(finals) == 1, (stage, text)
-    final_epoch = r"^\[puma\] epoch 1/2: 3/3 steps, [\d.]+ img/s, in (\d+m)?\d+s, loss \d+\.\d{4}$"
-    assert re.search(final_epoch, text, re.M), text
-    final_eval = r"^\[puma\] evaluation after epoch 2: 24/24 img, [\d.]+ img/s, in (\d+m)?\d+s$"
-    assert re.search(final_eval, text, re.M), text
-    assert sum(line.startswith("[puma] before training (frozen backbone): ") for line in lines) == 1
-    assert re.match(r"\[puma\] Ray: local Ray \(\d+ logical CPUs\); Ray's own logs: /tmp/ray", lines[0]), text
-
-    rc, verbose = _train(tiny_run, "--verbose")  # resumes the finished run: Ray's output is back
-    text = "\n".join(verbose)
-    assert rc == 0, text[-4000:]
-    assert any("pid=" in line for line in verbose), "--verbose shows the workers' own output"
-    assert any("Started a local Ray instance" in line for line in verbose), "and Ray's driver logs"
-    ours = [line for line in verbose if line.startswith("[puma") and "Ray:" not in line]
-    assert ours and not [line for line, n in Counter(ours).items() if n > 1], ours
-    assert sum(line.startswith("[puma] resumed from ") for line in verbose) == 1, text[-4000:]

@@ -241,7 +241,7 @@ def _stored_images(root: Path) -> dict[str, bytes]:
 
 def test_prepare_max_side_shrinks_large_photos_and_keeps_their_views(tmp_path):
     """Shrunk shards hold upright images of the right size and format, whose eval views and frozen-backbone
-    embeddings equal the full-size photos' within the stated tolerance (README, bench/bench_data.py)."""
+    embeddings equal the full-size photos' within the stated tolerance (docs/data.md, bench/bench_data.py)."""
     import io
 
     from PIL import Image

@@ -29,6 +29,7 @@ else:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
+KUBERNETES_GUIDE = ROOT / "docs" / "kubernetes.md"  # the runbook of infra/
 
 
 def _load_check():
@@ -453,7 +454,7 @@ def test_dev_references_its_s3_keys_and_never_contains_them():
 
 
 def test_readme_tells_how_to_create_every_referenced_secret():
-    readme = (INFRA / "README.md").read_text()
+    readme = KUBERNETES_GUIDE.read_text()
     for overlay in OVERLAYS:
         for secret in check.required_secrets(objects(overlay)):
             assert f"create secret generic {secret}" in readme, secret
@@ -682,7 +683,7 @@ def test_operator_values_pin_the_tested_kuberay_and_enable_the_gates_the_manifes
     values = yaml.safe_load((INFRA / "helm" / "kuberay-operator-values.yaml").read_text())
     crd_version = check.CRD_DIR.name  # v1.7.0: the CRDs every test validates against
     assert values["image"]["tag"] == crd_version
-    assert f"--version {crd_version.lstrip('v')}" in (INFRA / "README.md").read_text()
+    assert f"--version {crd_version.lstrip('v')}" in KUBERNETES_GUIDE.read_text()
     gates = {g["name"]: g["enabled"] for g in values["featureGates"]}
     everything = [o for overlay in OVERLAYS for o in objects(overlay)]
     if any(o["kind"] == "RayCronJob" for o in everything):
