@@ -72,6 +72,9 @@ def run_job(main: Callable[[list[str] | None], int], argv: list[str] | None = No
     console.set_verbose("--verbose" in args)
     try:
         return main(argv)
+    except BrokenPipeError:  # the reader went away (`--help-config | head`): no traceback, like other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit fails too
+        return 0
     except Exception as exc:
         found = user_error(exc)
         if found is None:

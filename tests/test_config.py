@@ -4,6 +4,9 @@ has one, and keys renamed since configs were first saved still load."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -84,3 +87,14 @@ def test_puma_config_is_the_default_config_and_config_still_wins(tmp_path, monke
     assert resolve_config(parser.parse_args([])).train.epochs == 7
     assert resolve_config(parser.parse_args(["train.epochs=8"])).train.epochs == 8
     assert resolve_config(parser.parse_args(["--config", str(other)])).train.epochs == 9
+
+
+def test_help_config_into_a_reader_that_stops_early_ends_quietly():
+    """`jobs/train.py --help-config | head`: what the reader no longer takes goes nowhere, exit 0, no
+    BrokenPipeError traceback (the pipe is closed before the job writes a line)."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "jobs/train.py", "--help-config"], cwd=repo, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
