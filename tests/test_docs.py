@@ -25,7 +25,7 @@ SECTIONS = "model|loss|optim|data|storage|train|eval|index|embed|serve|sweep"
 DOTTED = re.compile(rf"(?<![\w/.@-])(?:{SECTIONS})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")
 FILE_NAME = (".md", ".py", ".html", ".json", ".jsonl", ".yaml", ".yml", ".png", ".txt", ".csv", ".parquet",
              ".onnx", ".npy", ".safetensors")
-COMMAND = re.compile(r"((?:jobs/\w+|tune/sweep)\.py)([^\n|`]*)")
+COMMAND = re.compile(r"((?:jobs/[a-z_]+|tune/sweep)\.py)([^\n|`]*)")  # jobs/X.py: a placeholder
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
