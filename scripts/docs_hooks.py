@@ -11,7 +11,6 @@ A missing benchmark record or a marker in the wrong place fails the build.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -70,9 +69,11 @@ def config_reference() -> str:
              "`--config FILE` (or `$PUMA_CONFIG`, else `configs/demo.yaml`), then `key=value` overrides; an "
              "unknown key or a value of the wrong type is an error naming the closest valid key. The "
              "resolved config is saved with every checkpoint, index and report.", ""]
+    by_section: dict[str, list[tuple[str, str, str, str]]] = {}
+    for row in puma_config.describe_keys():
+        by_section.setdefault(row[0].rsplit(".", 1)[0], []).append(row)
     for prefix, cls in _sections(puma_config.Config):
-        keys = [(key, tp, default, doc) for key, tp, default, doc in puma_config.describe_keys(cls, prefix)
-                if key.rsplit(".", 1)[0] == prefix]
+        keys = by_section.get(prefix)
         if not keys:
             continue
         lines += [f"## `{prefix}`", ""]
@@ -88,10 +89,9 @@ def config_reference() -> str:
 def _sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
     """(dotted prefix, dataclass) of every nested config section, parents first."""
     out = [(prefix, cls)] if prefix else []
-    for field in dataclasses.fields(cls):
-        tp = puma_config._field_types(cls)[field.name]
+    for name, tp in puma_config._field_types(cls).items():
         if puma_config._is_dataclass_type(tp):
-            out += _sections(tp, f"{prefix}.{field.name}" if prefix else field.name)
+            out += _sections(tp, f"{prefix}.{name}" if prefix else name)
     return out
 
 

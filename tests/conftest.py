@@ -99,8 +99,12 @@ def _free_port(avoid: set[int]) -> int:
     raise RuntimeError("no free port pair found for SeaweedFS")
 
 
-def _is_free(port: int) -> bool:
+def _is_free(port: int, reuse_addr: bool = False) -> bool:
+    """Whether a loopback port can be bound (``reuse_addr``: as a server that sets SO_REUSEADDR, e.g.
+    SeaweedFS, which binds a port some connection still holds in TIME_WAIT)."""
     with socket.socket() as s:
+        if reuse_addr:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

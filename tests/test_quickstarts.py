@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from conftest import _is_free
 from quickstart import REPO, Checkout, Result, quickstarts
 
 README = quickstarts("README.md")
@@ -88,12 +88,18 @@ def test_the_readme_command_trains_the_default_with_our_lines_once_and_no_ray_no
     assert len(resumed) == 1, verbose.output[-4000:]
 
 
-@pytest.mark.budget(150)
-def test_getting_started_evaluates_searches_and_reports_the_trained_run(trained):
+def _run_after_training(trained: tuple[Checkout, Result], block: str) -> Checkout:
+    """Run ``block`` in the checkout the README's command trained in; both must succeed."""
     checkout, train = trained
     assert train.returncode == 0, train.output[-2000:]
-    result = checkout.run(GUIDE["first-steps"])
+    result = checkout.run(block)
     assert result.returncode == 0, result.output[-4000:]
+    return checkout
+
+
+@pytest.mark.budget(150)
+def test_getting_started_evaluates_searches_and_reports_the_trained_run(trained):
+    checkout = _run_after_training(trained, GUIDE["first-steps"])
     index = checkout.path / "artifacts" / "index" / "demo"
     metrics = json.loads((index / "evaluation.json").read_text())
     assert 0 < metrics["metrics"]["harmonic/r@1"] <= 1 and metrics["items"] > 0, metrics
@@ -104,10 +110,7 @@ def test_getting_started_evaluates_searches_and_reports_the_trained_run(trained)
 
 
 def test_the_export_quick_start_writes_a_model_onnx_runtime_embeds_with(trained):
-    checkout, train = trained
-    assert train.returncode == 0, train.output[-2000:]
-    result = checkout.run(EXPORT["export"])
-    assert result.returncode == 0, result.output[-4000:]
+    checkout = _run_after_training(trained, EXPORT["export"])
     model = checkout.path / "artifacts" / "export" / "demo.onnx"
     meta = ort.InferenceSession(str(model)).get_modelmeta().custom_metadata_map
     vectors = np.load(checkout.path / "embeddings.npy")  # the example writes to the current folder
@@ -120,14 +123,7 @@ def _wait_for_free(ports: list[int], seconds: float = 60) -> None:
     one of them (Ray's worker ports span 10002-19999) for a while."""
     deadline = time.monotonic() + seconds
     while True:
-        busy = []
-        for port in ports:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    busy.append(port)
+        busy = [port for port in ports if not _is_free(port, reuse_addr=True)]
         if not busy:
             return
         assert time.monotonic() < deadline, f"ports {busy} stayed in use: the server can't start"
