@@ -488,6 +488,11 @@ class IndexConfig:
     keep_versions: int = 3  # versions (one per model) kept at index.uri; the live and previous always are
     promote: str = "auto"  # auto: a new model's version goes live once it holds every live catalogue
     # and verifies; manual: only by `python jobs/index.py promote`
+    on_disk: str = "auto"  # serving: IVF lists memory-mapped from a local file (FAISS on-disk lists, same
+    # results): always | never | auto: when a replica's share of the index is estimated above
+    # serve.index_replica_memory_gb (decided at service start; elsewhere above index.memory_budget_gb)
+    cache_dir: str = ""  # serving: local folder for each replica's memory-mapped hit columns and on-disk
+    # lists (about the index's Parquet size uncompressed); '' = the system temp folder
 
     def __post_init__(self) -> None:
         _check_choice("index.index_type", self.index_type, INDEX_TYPES)
@@ -496,6 +501,7 @@ class IndexConfig:
         _check(self.keep_versions >= 2, f"index.keep_versions={self.keep_versions!r} must be >= 2 (the live "
                                         "version and the one a rollback returns to)")
         _check_choice("index.promote", self.promote, ("auto", "manual"))
+        _check_choice("index.on_disk", self.on_disk, ("auto", "always", "never"))
         _check_choice("index.metric", self.metric, ("ip", "l2"))
         _check(self.nlist >= 0, f"index.nlist={self.nlist!r} must be >= 0 (0: auto)")
         _check(self.pq_m >= 0, f"index.pq_m={self.pq_m!r} must be >= 0 (0: auto)")
@@ -596,6 +602,9 @@ class ServeConfig:
     index_resources: dict = field(default_factory=dict)  # custom Ray resources per partition replica, e.g.
     # {index_slot: 1} with one slot per node: partitions spread over nodes, one per node
     partition_timeout_s: float = 5.0  # a partition that does not answer within this: the query gets 503
+    partition_channel: str = "direct"  # how a query reaches the partitions: direct: each partition replica's
+    # own TCP channel (puma.serve.channel: ~0.5 ms a fan-out) | ray: Ray Serve handle calls (~3-7 ms more
+    # a query; for networks that open only Ray's ports between nodes)
     ingress_replicas: int = 1  # replicas of the HTTP ingress (requests, the page; the index when not
     # partitioned); with serve.ingress=direct at most one per node: one per node you want to answer
     ingress_num_cpus: float = 0.5  # the HTTP ingress also decodes query images
@@ -640,6 +649,7 @@ class ServeConfig:
                "serve.max_queued_requests must be >= 1 (or -1: no bound)")
         _check(self.retry_after_s >= 0, "serve.retry_after_s must be >= 0 seconds")
         _check(self.partition_timeout_s > 0, "serve.partition_timeout_s must be > 0 seconds")
+        _check_choice("serve.partition_channel", self.partition_channel, ("direct", "ray"))
         _check_custom_resources("serve.index_resources", self.index_resources)
         _check_custom_resources("serve.ingress_resources", self.ingress_resources)
         _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")

@@ -385,12 +385,14 @@ def test_the_app_builder_for_serve_run_resolves_config_and_refuses_unknown_keys(
 
 def test_deployments_autoscale_and_take_gpus_only_when_wanted():
     from puma.serve.app import deployment_options, gpus_wanted
+    from puma.serve.autoscale import partition_replicas
 
     cfg = load_config(None, ["serve.index_min_replicas=2", "serve.index_max_replicas=6",
                              "serve.target_ongoing_requests=3", "serve.model_num_gpus=0.5"])
     cpu, gpu = deployment_options(cfg, use_gpu=False), deployment_options(cfg, use_gpu=True)
-    assert cpu["index"]["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
-                                                  "target_ongoing_requests": 3.0}
+    assert cpu["index"]["autoscaling_config"] == {  # the policy adds the partitions' channel load
+        "min_replicas": 2, "initial_replicas": 2, "max_replicas": 6, "target_ongoing_requests": 3.0,
+        "policy": {"policy_function": partition_replicas}}
     assert cpu["model"]["autoscaling_config"]["max_replicas"] == 2 and cpu["ingress"]["num_replicas"] == 1
     assert cpu["model"]["max_ongoing_requests"] >= cfg.serve.max_batch_size  # a replica can fill a batch
     assert cpu["model"]["autoscaling_config"]["target_ongoing_requests"] == cfg.serve.max_batch_size

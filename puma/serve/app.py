@@ -10,7 +10,9 @@
                |                    (puma.serve.live_index): vector and item-id queries never leave it
                '--> IndexPartition  serve.index_partitions=N>1: N deployments, each holding its
                     x N             shards (puma.serve.partitions; faiss-gpu when on a GPU); a query
-                                    fans out to all and their top-k are merged exactly
+                                    fans out to all and their top-k are merged exactly, over each
+                                    replica's direct TCP channel (puma.serve.channel; with
+                                    serve.partition_channel=ray through deployment handles)
 
 Every replica holding index shards watches the manifest (serve.watch_interval_s) and loads new
 shards without a restart.
@@ -40,6 +42,7 @@ import hmac
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +61,8 @@ from puma.faults import fault_delay
 from puma.index.manifest import read_manifest
 from puma.index.versions import read_alias, version_uri
 from puma.inference.embedder import Embedder, use_storage
+from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
+from puma.serve.channel import ChannelError, ChannelServer, PartitionClient
 from puma.serve.errors import RequestError, as_request_error
 from puma.serve.live_index import ServedIndexes
 from puma.serve.partitions import FanOut, Partition
@@ -113,6 +118,24 @@ def unavailable(exc: BaseException) -> RequestError | None:
 def _params(request: Request) -> dict[str, list[str]]:
     params = request.query_params
     return {name: params.getlist(name) for name in params}
+
+
+def channel_host() -> str:
+    """Where a partition's channel listens: its node's IP in a Ray worker (other nodes reach it there),
+    else loopback."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def replica_addresses(handle):
+    """``learn`` for a PartitionClient: the channel addresses of every running replica of the partition
+    ``handle`` names (IndexPartition.address through Serve's broadcast; replicas that fail to answer
+    left out)."""
+    async def learn() -> list:
+        answers = await handle.broadcast("address").results_async(return_exceptions=True)
+        return [a for a in answers if not isinstance(a, BaseException)]
+    return learn
 
 
 @serve.deployment
@@ -259,11 +282,36 @@ class LocalIndex(Watched):
 @serve.deployment
 class IndexPartition:
     """One partition of the index (serve.index_partitions > 1): the shards puma.serve.partitions
-    assigns it, searched with filters; the ingress fans a query out to every partition and merges."""
+    assigns it, searched with filters; the ingress fans a query out to every partition and merges.
+    With a ``channel_token`` it also answers search_part and vector_of on a direct channel of its own
+    (puma.serve.channel: a thread of this replica, its node's IP, an ephemeral port)."""
 
     def __init__(self, index_cfg: IndexConfig, dim: int, storage_cfg, watch_interval_s: float,
-                 grace_s: float, partition: Partition) -> None:
+                 grace_s: float, partition: Partition, channel_token: str = "",
+                 channel_threads: int = 2) -> None:
         self.index = Watched(index_cfg, dim, storage_cfg, watch_interval_s, grace_s, partition)
+        self.channel = None
+        if channel_token:
+            self.channel = ChannelServer({"search_part": self._search_part_sent, "vector_of": self.vector_of},
+                                         channel_token, channel_host(), channel_threads)
+            self.channel.start()
+
+    def address(self) -> list:
+        """[host, port] of this replica's direct channel (the ingress asks every replica, via the handle)."""
+        if self.channel is None:
+            raise RequestError(503, "this index partition has no direct channel "
+                                    "(serve.partition_channel=ray)")
+        return list(self.channel.address)
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose channel stopped (it could no longer answer queries)."""
+        if self.channel is not None and not self.channel.running():
+            raise RuntimeError(f"the partition channel at {self.channel.address} stopped")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The channel's requests in flight for the autoscaler (puma.serve.autoscale; Serve sees the
+        handles' by itself)."""
+        return {CHANNEL_ONGOING: self.channel.ongoing() if self.channel is not None else 0.0}
 
     def prepare(self, version: str) -> int:
         return self.index.prepare(version)
@@ -272,6 +320,11 @@ class IndexPartition:
                     version: str) -> dict:
         with self.index.served.use(version) as live:
             return live.search_part(vector, k, datasets, catalogues)
+
+    def _search_part_sent(self, vector: np.ndarray, k: int, datasets: list, catalogues: list,
+                          version: str) -> dict:
+        """search_part as the channel calls it (its frames carry tuples as lists)."""
+        return self.search_part(vector, int(k), tuple(datasets), tuple(catalogues), version)
 
     def vector_of(self, item_id: str, version: str) -> np.ndarray | None:
         with self.index.served.use(version) as live:
@@ -283,25 +336,42 @@ class IndexPartition:
             return live.thumbnail(item_id) if live.holds(item_id) else None
 
     def stats(self) -> dict:
-        return self.index.stats()
+        """The partition's stats, with its channel's address and the queries it answered (this replica)."""
+        stats = self.index.stats()
+        if self.channel is not None:
+            host, port = self.channel.address
+            stats["channel"] = {"address": f"{host}:{port}", "requests": self.channel.requests}
+        return stats
 
     def health(self) -> dict:
         return self.index.health()
 
     def __del__(self) -> None:
         self.index.stop()
+        if self.channel is not None:
+            self.channel.stop()
 
 
 class PartitionedIndex(FanOut):
     """The ingress's view of the IndexPartition deployments (puma.serve.partitions.FanOut): every query
-    goes to all of them at once and their top-k are merged exactly."""
+    goes to all of them at once and their top-k are merged exactly. With a ``channel_token``, the
+    query's calls (search_part, vector_of) go over the partitions' direct channels, the rest (stats,
+    health, thumbnails, prepare) through the handles."""
 
-    def __init__(self, handles: list, timeout_s: float) -> None:
-        self.handles, self.timeout_s = handles, timeout_s
+    DIRECT = ("search_part", "vector_of")
+
+    def __init__(self, handles: list, timeout_s: float, channel_token: str = "",
+                 learn=replica_addresses) -> None:
+        # learn(handle) -> an async function giving the addresses of the partition's replicas' channels
+        self.handles, self.timeout_s, self.learn = handles, timeout_s, learn
+        self.channel_token = channel_token
+        self._channels: dict = {}  # event loop -> a PartitionClient per partition (connections live on one)
 
     async def _all(self, method: str, *args) -> list:
         """Every partition's answer; 503 when one does not answer within serve.partition_timeout_s (its
         node lost, its replica restarting: Serve would hold the call until a replica is back)."""
+        if self.channel_token and method in self.DIRECT:
+            return list(await asyncio.gather(*(self._direct(c, method, args) for c in self._clients())))
         calls = [getattr(h, method).remote(*args) for h in self.handles]
         try:
             return list(await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s))
@@ -311,6 +381,26 @@ class PartitionedIndex(FanOut):
             raise RequestError(503, f"an index partition did not answer within {self.timeout_s:g} s "
                                     "(serve.partition_timeout_s: its node lost or its replica restarting); "
                                     "retry after the Retry-After seconds") from None
+
+    async def _direct(self, client: PartitionClient, method: str, args: tuple):
+        """One partition's answer over its channel; 503 when it cannot answer or not in time."""
+        try:
+            return await client.call(method, args, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(503, f"index partition {client.name} did not answer within "
+                                    f"{self.timeout_s:g} s (serve.partition_timeout_s: its node lost or its "
+                                    "replica restarting); retry after the Retry-After seconds") from None
+        except ChannelError as exc:
+            raise RequestError(503, f"index partition {client.name} is unavailable ({exc}: its replica "
+                                    "restarting, or its node lost); retry after the Retry-After seconds") \
+                from None
+
+    def _clients(self) -> list[PartitionClient]:
+        loop = asyncio.get_running_loop()
+        if loop not in self._channels:
+            self._channels[loop] = [PartitionClient(f"index-{p}", self.learn(h), self.channel_token)
+                                    for p, h in enumerate(self.handles)]
+        return self._channels[loop]
 
     def prepare(self, version: str) -> int:
         """Every partition loads ``version`` (from the alias thread, blocking); the index's items."""
@@ -334,10 +424,11 @@ class SearchIngress:
 
     def __init__(self, partitions: list | None, local: dict, model, pinned: Pinned, limits: Limits,
                  token_env: str, location: str = "", storage_cfg=None, watch_interval_s: float = 10.0,
-                 timeout_s: float = 5.0) -> None:
-        # partitions: the IndexPartition deployments' handles; none: this replica holds the index (local:
-        # LocalIndex's arguments)
-        self.index = PartitionedIndex(partitions, timeout_s) if partitions else LocalIndex(**local)
+                 timeout_s: float = 5.0, channel_token: str = "") -> None:
+        # partitions: the IndexPartition deployments' handles (channel_token: their direct channels'); none:
+        # this replica holds the index (local: LocalIndex's arguments)
+        self.index = (PartitionedIndex(partitions, timeout_s, channel_token) if partitions
+                      else LocalIndex(**local))
         self.model, self.limits = model, limits
         self.token_env, self.token = token_env, os.environ.get(token_env, "")
         self.pinned, self.location = pinned, location
@@ -477,9 +568,13 @@ def build_app(plan: ServicePlan) -> Application:
     index_args = {"index_cfg": index_cfg, "dim": plan.manifest.dim, "storage_cfg": storage.current_config(),
                   "watch_interval_s": s.watch_interval_s, "grace_s": s.version_grace_s}
     partitions = None
+    # the partitions' direct channels admit the holders of this app's token (a new one per build)
+    token = secrets.token_urlsafe(24) if plan.partitions > 1 and s.partition_channel == "direct" else ""
     if plan.partitions > 1:
+        threads = max(2, math.ceil(s.index_num_cpus))  # FAISS releases the GIL: searches overlap
         partitions = [IndexPartition.options(**options["index"], name=f"index-{p}").bind(
-            **index_args, partition=Partition(p, plan.partitions)) for p in range(plan.partitions)]
+            **index_args, partition=Partition(p, plan.partitions), channel_token=token,
+            channel_threads=threads) for p in range(plan.partitions)]
     model = None
     if s.image_queries:
         model = QueryModel.options(**options["model"]).bind(
@@ -490,13 +585,15 @@ def build_app(plan: ServicePlan) -> Application:
     local = {} if partitions else {**index_args, "index_cfg": dataclasses.replace(cfg.index, use_gpu=False)}
     return SearchIngress.options(**options["ingress"]).bind(
         partitions, local, model, pinned, Limits.from_config(s), s.token_env, cfg.index.uri,
-        storage.current_config(), s.watch_interval_s, s.partition_timeout_s)
+        storage.current_config(), s.watch_interval_s, s.partition_timeout_s, token)
 
 
 def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:
     """Replicas, autoscaling, resources and load limits of the deployments (GPUs only when ``use_gpu``)."""
     s = cfg.serve
     index_scaling = _autoscaling(s.index_min_replicas, s.index_max_replicas, s.target_ongoing_requests)
+    # Serve's rule over the handles' requests and the direct channels' (which it does not see)
+    index_scaling["policy"] = {"policy_function": partition_replicas}
     # a model replica is busy, not overloaded, with a full batch in flight: scale past that
     model_scaling = _autoscaling(s.model_min_replicas, s.model_max_replicas, float(s.max_batch_size))
     ingress = {"name": "ingress", "num_replicas": s.ingress_replicas,

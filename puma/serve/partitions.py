@@ -117,7 +117,9 @@ def merged_stats(parts: list[dict]) -> dict:
     out["on_gpu"] = any(p["on_gpu"] for p in parts)
     out["refused_update"] = next((p["refused_update"] for p in parts if p["refused_update"]), "")
     out["loaded_at"] = min(p["loaded_at"] for p in parts)
-    out["partitions"] = [{"items": p["items"], "shards": p["shards"]} for p in parts]
+    out.pop("channel", None)
+    out["partitions"] = [{"items": p["items"], "shards": p["shards"],
+                          **({"channel": p["channel"]} if "channel" in p else {})} for p in parts]
     return out
 
 
