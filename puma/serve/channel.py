@@ -102,13 +102,14 @@ async def read_frame(reader: asyncio.StreamReader):
 
 class ChannelServer:
     """Serves ``methods`` (name -> function) to clients holding ``token`` on ``host`` and an ephemeral
-    port, from a daemon thread with its own event loop; the requests waiting when a worker is free run
-    together in that worker's thread (``threads`` workers)."""
+    port, from a daemon thread with its own event loop. ``threads`` workers answer the requests; a free
+    worker takes its share of those waiting and answers them in one go in its thread (FAISS releases
+    the GIL: the workers' searches overlap)."""
 
     def __init__(self, methods: dict[str, Callable], token: str, host: str, threads: int = 2) -> None:
         if not token:
             raise ValueError("the partition channel needs a non-empty token")
-        self.methods, self.token, self.host, self.threads = methods, token, host, threads
+        self.methods, self.token, self.host, self.threads = methods, token, host, max(1, threads)
         self.address: tuple[str, int] | None = None
         self.requests = 0  # answered so far
         self._ongoing = 0  # received, not yet answered
@@ -118,7 +119,7 @@ class ChannelServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._pool = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="channel")
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="channel")
 
     def start(self, timeout_s: float = 30.0) -> tuple[str, int]:
         """Listen; returns (host, port) once the server accepts connections."""
@@ -161,7 +162,7 @@ class ChannelServer:
             return
         self.address = (self.host, server.sockets[0].getsockname()[1])
         self._queue: asyncio.Queue = asyncio.Queue()
-        for _ in range(max(1, self.threads)):
+        for _ in range(self.threads):
             loop.create_task(self._work(self._queue))
         ready.set()
         try:
@@ -211,16 +212,14 @@ class ChannelServer:
         return ok
 
     async def _work(self, queue: asyncio.Queue) -> None:
-        """Take the waiting requests (at least one), answer them in a worker thread, send the answers."""
+        """Take a request and this worker's share of those waiting, answer them in the worker's thread
+        (one hop there and back for all), send the answers."""
         loop = asyncio.get_running_loop()
         while True:
             batch = [await queue.get()]
-            while len(batch) < MAX_BATCH and not queue.empty():
+            for _ in range(min(MAX_BATCH - 1, queue.qsize() // self.threads)):
                 batch.append(queue.get_nowait())
-            if self.threads == 0:
-                frames = self._answer_all([r for _, r in batch])
-            else:
-                frames = await loop.run_in_executor(self._pool, self._answer_all, [r for _, r in batch])
+            frames = await loop.run_in_executor(self._pool, self._answer_all, [r for _, r in batch])
             for (writer, _), frame in zip(batch, frames, strict=True):
                 if not writer.is_closing():
                     writer.write(frame)
