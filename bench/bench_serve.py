@@ -3,6 +3,7 @@ concurrent clients, vector and image queries, side by side in one run (loopback 
 
     python bench/bench_serve.py                          # 100k x 128 IVF index, ViT-S/14 at 112 px
     python bench/bench_serve.py --items 20000 --requests 60 --model tiny     # a quick run
+    python bench/bench_serve.py --items 1000000 --model tiny --partitions 2   # + the fan-out's cost
 
 Setup: --items synthetic clustered L2-normalised vectors (bench_index.clustered: a centre per 50
 items) of the model's embedding size, written by puma.index as a sharded IVF-Flat index (trained
@@ -23,6 +24,16 @@ Rows, each at 1 and at 8 concurrent clients, the variants interleaved round by r
     numpy vector     x @ q and a top-10 argpartition over the same vectors, in this process
     service image    POST /search with JPEG bytes: decode + eval view, batched forward, IVF, hits
     numpy image      decode + eval view + the same model's forward (one image) + brute force, in process
+
+With --partitions N (N > 1), the same index also served in N partitions by a second app of the
+same cluster (serve.index_partitions=N, vector queries only), one app per --partition-channels:
+
+    service vector (N partitions)        the ingress fans out over the partitions' direct channels
+    service vector (N partitions, ray)   the same through Ray Serve handles (serve.partition_channel=ray)
+
+Their rows against "service vector" (one partition, the index inside the ingress) give the fan-out's
+cost as a measured difference (p50 diff ms); "same hits" checks that the partitioned answers equal
+the single service's for 100 queries (an exact merge).
 
 ratio = service queries/s / numpy queries/s (above 1: the service answers more per second).
 recall@10 = the service's IVF hits against the brute-force top 10. Bounded: --requests per row
@@ -191,7 +202,8 @@ def run_clients(clients: int, requests: int, max_seconds: float, make_call) -> t
 
 def variants(ports: dict, x: np.ndarray, queries: np.ndarray, images: list[bytes], model, view,
              live) -> dict:
-    """name -> make_call(thread) -> call(i) for every row (ports: service, fastapi, noop)."""
+    """name -> make_call(thread) -> call(i) for every row (ports: service, fastapi, noop, and the
+    partitioned services by row name)."""
     bodies = [json.dumps({"vector": q.tolist(), "k": K}).encode() for q in queries]
     port = ports["service"]
 
@@ -218,9 +230,20 @@ def variants(ports: dict, x: np.ndarray, queries: np.ndarray, images: list[bytes
             brute_force(x, v)
         return call
 
-    return {"service vector": vector_to("service"), "fastapi vector": vector_to("fastapi"),
+    partitioned = {name: vector_to(name) for name in ports if name.startswith("service vector (")}
+    return {"service vector": vector_to("service"), **partitioned, "fastapi vector": vector_to("fastapi"),
             "noop serve": vector_to("noop"), "faiss vector": faiss_vector, "numpy vector": numpy_vector,
             "service image": service_image, "numpy image": numpy_image}
+
+
+def same_hits(one, other, queries: np.ndarray, n: int = 100) -> float:
+    """Share of n vector queries that two services answer with the same item ids in the same order."""
+    a, b, same = Client(one), Client(other), 0
+    for q in queries[:n]:
+        body = json.dumps({"vector": q.tolist(), "k": K}).encode()
+        ids = [[h["item_id"] for h in c.search(body, "application/json")["hits"]] for c in (a, b)]
+        same += ids[0] == ids[1]
+    return same / n
 
 
 def recall_at_k(port: int, x: np.ndarray, queries: np.ndarray, n: int = 100) -> float:
@@ -253,6 +276,30 @@ def start_plain_server(index_uri: str, dim: int) -> tuple[subprocess.Popen, int]
     raise SystemExit("the plain FastAPI server did not start within 120 s")
 
 
+def deploy_partitioned(overrides: list[str], partitions: int, channels: list[str], port: int,
+                       ingress: str) -> dict[str, tuple[int, str]]:
+    """The index in ``partitions`` partitions, one app per partition channel, beside the service (vector
+    queries only): row name -> (port, route prefix). Direct ingress: their replicas take the ports after
+    the no-op app's (port + 3, ...); proxy: Serve's proxy on ``port`` routes by prefix."""
+    from ray import serve
+
+    from puma.serve.app import build_app
+    from puma.serve.plan import plan_service
+
+    rows = {}
+    for i, channel in enumerate(channels):
+        name = f"p{partitions}-{channel}"
+        cfg = load_config(None, [*overrides, f"serve.index_partitions={partitions}",
+                                 "serve.image_queries=false", f"serve.partition_channel={channel}",
+                                 f"serve.app_name={name}"])
+        serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
+        where = (port + 3 + i if ingress == "direct" else port), f"/{name}"
+        row = f"service vector ({partitions} partitions{'' if channel == 'direct' else ', ' + channel})"
+        rows[row] = where
+        print(f"[bench] {row}: at port {where[0]}{where[1]}", flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -262,17 +309,22 @@ def setting(args: argparse.Namespace) -> dict:
 
 
 def ratios(rows: dict[tuple[str, int], Row]) -> list[dict]:
-    """The service against each reference row of the same query kind and clients."""
-    pairs = [("vector", "numpy vector"), ("vector", "faiss vector"), ("vector", "fastapi vector"),
-             ("vector", "noop serve"), ("image", "numpy image")]
+    """The service against each reference row of the same query kind and clients; each partitioned
+    service against the one-partition service (the fan-out's cost: p50_diff_ms)."""
+    pairs = [("vector", "service vector", ref) for ref in
+             ("numpy vector", "faiss vector", "fastapi vector", "noop serve")]
+    pairs += [("image", "service image", "numpy image")]
+    pairs += [(name.removeprefix("service "), name, "service vector")
+              for name in dict.fromkeys(n for n, _ in rows) if name.startswith("service vector (")]
     out = []
-    for kind, reference in pairs:
+    for kind, name, reference in pairs:
         for clients in sorted({c for _, c in rows}):
-            service, other = rows.get((f"service {kind}", clients)), rows.get((reference, clients))
+            service, other = rows.get((name, clients)), rows.get((reference, clients))
             if service and other and other.qps:
                 out.append({"query": kind, "against": reference, "clients": clients,
                             "qps_ratio": round(service.qps / other.qps, 3),
-                            "p50_ratio": round(service.percentile(50) / other.percentile(50), 3)})
+                            "p50_ratio": round(service.percentile(50) / other.percentile(50), 3),
+                            "p50_diff_ms": round(service.percentile(50) - other.percentile(50), 2)})
     return out
 
 
@@ -281,17 +333,18 @@ def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float)
              "(the machine is shared: compare rows of this run only).", "",
              f"Index: {env['args']['items']} x {env['dim']} synthetic vectors, IVF-Flat (nlist "
              f"{env['nlist']}, nprobe 16), {env['shards']} shards; model {env['model']}; k = {K}; service "
-             f"recall@{K} vs brute force: {recall:.3f}; serve.ingress={env['args']['ingress']}, "
-             f"serve.index_partitions={env['args']['partitions']}", "",
+             f"recall@{K} vs brute force: {recall:.3f}; serve.ingress={env['args']['ingress']}"
+             + (f"; in {env['args']['partitions']} partitions, the same hits as one for "
+                f"{100 * env['same_hits']:.0f}% of 100 queries" if "same_hits" in env else ""), "",
              "| row | clients | requests | queries/s | p50 ms | p99 ms | p50 ms inside the app |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['clients']} | {r['requests']} | {r['qps']:.1f} | {r['p50_ms']:.1f} | "
               f"{r['p99_ms']:.1f} | {'' if r['app_p50_ms'] is None else format(r['app_p50_ms'], '.1f')} |"
               for r in rows]
-    lines += ["", "| service query | against | clients | queries/s ratio | p50 ratio |",
-              "|---|---|---:|---:|---:|"]
+    lines += ["", "| service query | against | clients | queries/s ratio | p50 ratio | p50 diff ms |",
+              "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['query']} | {r['against']} | {r['clients']} | {r['qps_ratio']:.2f} | "
-              f"{r['p50_ratio']:.2f} |" for r in ratio_rows]
+              f"{r['p50_ratio']:.2f} | {r['p50_diff_ms']:+.2f} |" for r in ratio_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -312,7 +365,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="service port (0: a free one)")
     p.add_argument("--no-save", action="store_true", help="do not write bench/results/serve.{json,md}")
     p.add_argument("--ingress", choices=("direct", "proxy"), default="direct", help="serve.ingress")
-    p.add_argument("--partitions", type=int, default=1, help="serve.index_partitions")
+    p.add_argument("--partitions", type=int, default=0,
+                   help="also serve the index in N > 1 partitions (one more app per partition channel) and "
+                        "measure its vector rows beside the one-partition service")
+    p.add_argument("--partition-channels", default="direct",
+                   help="serve.partition_channel values (direct, ray), comma-separated: an app each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plain-server", metavar="INDEX_URI", help=argparse.SUPPRESS)  # the FastAPI row's server
     p.add_argument("--dim", type=int, default=0, help=argparse.SUPPRESS)
@@ -351,18 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         images = photos(32)
         torch.set_num_threads(max(1, int(args.model_cpus)))
         model.eval()
-        cfg = load_config(None, [
+        overrides = [
             f"index.uri={Path(tmp) / 'index'}", f"embed.checkpoint={ckpt}", f"serve.port={port}",
             "serve.model_min_replicas=1", "serve.model_max_replicas=1", "serve.index_min_replicas=1",
             "serve.index_max_replicas=1", f"serve.model_num_cpus={args.model_cpus}",
             "serve.index_num_cpus=0.5", "serve.ingress_num_cpus=0.5", "serve.watch_interval_s=60",
-            "index.nprobe=16", f"serve.max_k={K}", f"serve.ingress={args.ingress}",
-            f"serve.index_partitions={args.partitions}"])
+            "index.nprobe=16", f"serve.max_k={K}", f"serve.ingress={args.ingress}"]
+        cfg = load_config(None, [*overrides, "serve.index_partitions=1"])
+        channels = [c for c in args.partition_channels.split(",") if c] if args.partitions > 1 else []
         # the service's ingress mode, with room for the no-op app's own ingress replica (port + 2: Serve's
-        # head-node proxy has port + 1)
+        # head-node proxy has port + 1) and the partitioned apps' (port + 3, ...)
         os.environ.update(direct_ingress_env(cfg.serve) | (
-            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 3)} if args.ingress == "direct" else {}))
-        init_ray()
+            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 3 + len(channels))}
+            if args.ingress == "direct" else {}))
+        init_ray(local_cpus=8 if channels else None)  # logical CPUs: room for every app's replicas
         service = start_service(cfg)
         plain, plain_port = start_plain_server(str(Path(tmp) / "index"), dim)
         try:
@@ -370,10 +429,14 @@ def main(argv: list[str] | None = None) -> int:
             from serve_references import deploy_noop
 
             ports = {"service": port, "fastapi": plain_port, "noop": deploy_noop(args.ingress, port)}
+            ports |= deploy_partitioned(overrides, args.partitions, channels, port, args.ingress)
             live = LiveIndex(IndexConfig(uri=str(Path(tmp) / "index"), use_gpu=False, nprobe=16), None, dim)
             calls = variants(ports, x, queries, images, model, eval_view_spec(model_cfg), live)
             rows = measure(args, clients, calls)
             recall = recall_at_k(port, x, queries)
+            for name in ports:
+                if name.startswith("service vector ("):
+                    env["same_hits"] = min(env.get("same_hits", 1.0), same_hits(port, ports[name], queries))
         finally:
             plain.kill()
             stop_service(service)
