@@ -29,22 +29,31 @@ here: the stage that reads the bytes finds that. A table that cannot be parsed o
 
 CSV cells are read as text, so ``007`` stays ``007``; an empty cell counts as missing. JSONL and
 Parquet values keep their types in the metadata (NaN becomes null; dates and other types text).
+
+CSV and Parquet tables are read as a stream of record batches and reduced column by column with Arrow
+compute (no Python object per row): a metadata cell is written by Arrow where that gives exactly the
+text ``json.dumps`` gives (printable ASCII strings, integers, booleans, nulls, floats in the range
+Python writes without an exponent) and by ``json.dumps`` otherwise, so the JSON is the same byte for
+byte as one ``json.dumps(..., sort_keys=True)`` per row (an index compares it with the JSON it stored).
+Text that needs a Python rule (a relative image path with ``..``, a float item id) is computed once
+per distinct value. JSONL records are parsed one by one (``json.loads``) and then reduced the same way.
 """
 
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import math
 import os
 import posixpath
 import re
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from puma import storage
 from puma.data.rejects import Reject
@@ -65,6 +74,7 @@ ROWS_SCHEMA = pa.schema([
     pa.field("source_row", pa.int64(), nullable=False),
 ])
 _INTEGER = re.compile(r"[+-]?\d+")
+CSV_BLOCK_BYTES = 8 << 20  # CSV text parsed per record batch
 
 
 class TableError(UserError, ValueError):
@@ -82,11 +92,25 @@ class ItemTable:
 
 
 @dataclass
-class _Raw:
-    """A parsed table before any check: each column's values, and each row's place in the file."""
+class _Cells:
+    """A table's rows reduced to what the item rows keep: the reserved columns as stripped text ('' when
+    missing) and the other columns as one JSON object per row; all string arrays of the table's length."""
 
-    columns: dict[str, list]
-    lines: list[int]
+    ids: pa.Array
+    images: pa.Array  # as written (resolved later)
+    datasets: pa.Array
+    labels: pa.Array
+    metadata: pa.Array
+
+
+@dataclass
+class _Raw:
+    """A parsed table: its column names, its rows reduced (None for a JSONL file without records), and
+    each row's place in the file."""
+
+    names: list[str]
+    cells: _Cells | None
+    lines: np.ndarray  # (N,) int64
 
 
 def is_table(uri: str) -> bool:
@@ -105,23 +129,28 @@ def read_item_table(uri: str, dataset: str = "") -> ItemTable:
     """The valid rows of the table at ``uri`` and a reject for every other row (module docstring)."""
     uri = storage.absolute(uri)  # messages name the file wherever the job runs
     raw = _parse(uri)
-    metadata_columns = [c for c in raw.columns if c not in RESERVED_COLUMNS]
-    if not raw.columns and not raw.lines:  # a JSONL file without records: nothing to check
+    metadata_columns = [c for c in raw.names if c not in RESERVED_COLUMNS]
+    if raw.cells is None:  # a JSONL file without records: nothing to check
         return ItemTable(ROWS_SCHEMA.empty_table(), [], [], uri)
-    _check_columns(uri, list(raw.columns))
-    ids = [_text(v) for v in raw.columns["item_id"]]
-    datasets = _datasets(raw, dataset or table_stem(uri))
-    folder = _folder(uri)
-    images = [resolve_image_uri(t, folder) if t else "" for t in map(_text, raw.columns["image_uri"])]
-    keep, rejects = _screen(uri, raw.lines, ids, images, datasets)
-    labels, class_names = _labels([raw.columns.get("label", [None] * len(ids))[i] for i in keep],
-                                  [datasets[i] for i in keep])
-    rows = pa.table({
-        "item_id": [ids[i] for i in keep], "image_uri": [images[i] for i in keep], "label": labels,
-        "class_name": class_names, "dataset": [datasets[i] for i in keep],
-        "metadata": [_metadata(raw, metadata_columns, i) for i in keep],
-        "source_row": [raw.lines[i] for i in keep]}, schema=ROWS_SCHEMA)
+    cells = raw.cells
+    cells.datasets = pc.if_else(pc.equal(cells.datasets, ""), dataset or table_stem(uri), cells.datasets)
+    cells.images = resolve_image_uris(cells.images, _folder(uri))
+    keep, rejects = _screen(uri, raw.lines, cells.ids, cells.images, cells.datasets)
+    if len(keep) < len(raw.lines):
+        _keep_rows(cells, keep)
+    labels, class_names = _labels(cells.labels, cells.datasets)
+    rows = pa.table({"item_id": cells.ids, "image_uri": cells.images, "label": labels,
+                     "class_name": class_names, "dataset": cells.datasets, "metadata": cells.metadata,
+                     "source_row": raw.lines[keep]}, schema=ROWS_SCHEMA)
     return ItemTable(rows, rejects, metadata_columns, uri)
+
+
+def _keep_rows(cells: _Cells, keep: np.ndarray) -> None:
+    """Only the rows ``keep`` of every column, one column at a time (each old one released before the next
+    is copied: a table's rows are held about once, not twice)."""
+    chosen = pa.array(keep)
+    for f in fields(_Cells):
+        setattr(cells, f.name, getattr(cells, f.name).take(chosen))
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -133,29 +162,43 @@ def _parse(uri: str) -> _Raw:
     if suffix is None:
         raise TableError(f"{uri} is not a catalogue table: its name must end in one of "
                          f"{list(TABLE_SUFFIXES)}")
-    return _PARSERS[suffix](storage.read_bytes(uri), uri)
+    return _PARSERS[suffix](uri)
 
 
-def _parse_csv(data: bytes, uri: str) -> _Raw:
+def _parse_csv(uri: str) -> _Raw:
     """Every cell as text (an empty cell: None); the header is row 1, so data row i is row i + 2."""
     import pyarrow.csv as pacsv
 
+    read = pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
     try:
-        names = pacsv.open_csv(io.BytesIO(data)).schema.names
-        options = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=True,
-                                       null_values=[""], quoted_strings_can_be_null=False)
-        table = pacsv.read_csv(io.BytesIO(data), convert_options=options)
+        with storage.open_stream(uri) as f:
+            header = pacsv.open_csv(f, read_options=read).schema.names
+        names = _unique_names(uri, [n.strip() for n in header])
+        options = pacsv.ConvertOptions(column_types={n: pa.string() for n in header},
+                                       strings_can_be_null=True, null_values=[""],
+                                       quoted_strings_can_be_null=False)
+        with storage.open_stream(uri) as f:
+            reader = pacsv.open_csv(f, read_options=read, convert_options=options)
+            cells = [_cells(names, batch.columns) for batch in _batches(reader)]
     except pa.ArrowInvalid as exc:
         raise TableError(f"{uri} is not a readable CSV table ({one_line(exc)}); expected a header line with "
                          f"item_id and image_uri, then one line per item with as many fields") from exc
-    columns = [(name.strip(), table.column(i).to_pylist()) for i, name in enumerate(table.column_names)]
-    return _raw(uri, columns, list(range(2, table.num_rows + 2)))
+    return _raw(uri, names, cells, 2)
 
 
-def _parse_jsonl(data: bytes, uri: str) -> _Raw:
+def _batches(reader) -> Iterator[pa.RecordBatch]:
+    """The reader's record batches (a stream of them: one in memory at a time)."""
+    while True:
+        try:
+            yield reader.read_next_batch()
+        except StopIteration:
+            return
+
+
+def _parse_jsonl(uri: str) -> _Raw:
     """One JSON object per line (blank lines skipped); a key missing from a record is None there."""
     records, lines = [], []
-    for number, line in enumerate(_decode(data, uri).split("\n"), 1):
+    for number, line in enumerate(_decode(storage.read_bytes(uri), uri).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -169,22 +212,40 @@ def _parse_jsonl(data: bytes, uri: str) -> _Raw:
         records.append(record)
         lines.append(number)
     names = list(dict.fromkeys(key for record in records for key in record))
-    return _raw(uri, [(n, [r.get(n) for r in records]) for n in names], lines)
+    if not records:
+        return _Raw(names, None, np.zeros(0, np.int64))
+    _check_columns(uri, names)
+    meta = [n for n in names if n not in RESERVED_COLUMNS]
+
+    def text(name: str) -> pa.Array:
+        return pa.array([_text(r.get(name)) for r in records], pa.string())
+
+    metadata = pa.array([json.dumps({n: _json_safe(r.get(n)) for n in meta}, sort_keys=True, allow_nan=False)
+                         for r in records], pa.string())
+    cells = _Cells(text("item_id"), text("image_uri"), text("dataset"), text("label"), metadata)
+    return _Raw(names, cells, np.asarray(lines, np.int64))
 
 
-def _parse_parquet(data: bytes, uri: str) -> _Raw:
-    """Values as Python objects; row i is row i + 1."""
+def _parse_parquet(uri: str) -> _Raw:
+    """Row groups one at a time, each reduced to its cells; row i is row i + 1."""
     import pyarrow.parquet as pq
 
+    source = storage.open_file(uri)
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        file = pq.ParquetFile(source)
+        names = _unique_names(uri, file.schema_arrow.names)
+        cells = [_cells(names, [c.combine_chunks() for c in storage.call(
+            "reading", uri, lambda g=g: file.read_row_group(g)).columns]) for g in range(file.num_row_groups)]
     except (pa.ArrowInvalid, OSError) as exc:
+        if isinstance(exc, storage.StorageError):
+            raise
         raise TableError(f"{uri} is not a readable Parquet table ({one_line(exc)})") from exc
-    columns = [(name, table.column(i).to_pylist()) for i, name in enumerate(table.column_names)]
-    return _raw(uri, columns, list(range(1, table.num_rows + 1)))
+    finally:
+        source.close()
+    return _raw(uri, names, cells, 1)
 
 
-_PARSERS: dict[str, Callable[[bytes, str], _Raw]] = {
+_PARSERS: dict[str, Callable[[str], _Raw]] = {
     ".csv": _parse_csv, ".jsonl": _parse_jsonl, ".parquet": _parse_parquet}
 
 
@@ -197,13 +258,24 @@ def _decode(data: bytes, uri: str) -> str:
                          "save it as UTF-8") from exc
 
 
-def _raw(uri: str, columns: Sequence[tuple[str, list]], lines: list[int]) -> _Raw:
-    """Columns by name; a name given twice is an error."""
-    names = [name for name, _ in columns]
+def _unique_names(uri: str, names: list[str]) -> list[str]:
+    """The column names, checked: a name given twice is an error, and item_id and image_uri are needed."""
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise TableError(f"{uri} has columns {repeated} more than once; give every column its own name")
-    return _Raw(dict(columns), lines)
+    _check_columns(uri, names)
+    return names
+
+
+def _raw(uri: str, names: list[str], batches: list[_Cells], first_row: int) -> _Raw:
+    """The batches' cells as one table's (one array a column), rows numbered from ``first_row``."""
+    parts = []
+    for f in fields(_Cells):  # a column at a time, its batches released once it is one array
+        parts.append(pa.chunked_array([getattr(c, f.name) for c in batches], pa.string()).combine_chunks())
+        for c in batches:
+            setattr(c, f.name, None)
+    cells = _Cells(*parts)
+    return _Raw(names, cells, np.arange(first_row, first_row + len(cells.ids), dtype=np.int64))
 
 
 def _check_columns(uri: str, names: list[str]) -> None:
@@ -213,7 +285,50 @@ def _check_columns(uri: str, names: list[str]) -> None:
                          f"needs {list(REQUIRED_COLUMNS)} (label, dataset and any other columns optional)")
 
 
-# ----------------------------------------------------------------------------- values
+# ----------------------------------------------------------------------------- cells
+
+
+def _cells(names: list[str], columns: Sequence[pa.Array]) -> _Cells:
+    """One batch of columns (in ``names`` order) reduced to its cells."""
+    by_name = dict(zip(names, columns, strict=True))
+    n = len(columns[0]) if columns else 0
+    blank = pa.nulls(n, pa.string())
+
+    def text(name: str) -> pa.Array:
+        return text_column(by_name.get(name, blank))
+
+    meta = sorted(n for n in names if n not in RESERVED_COLUMNS)
+    return _Cells(text("item_id"), text("image_uri"), text("dataset"), text("label"),
+                  _metadata(meta, [by_name[m] for m in meta], n))
+
+
+def text_column(values: pa.Array) -> pa.Array:
+    """Each cell as stripped text ('' for null or NaN; an integral float without '.0'), as ``_text``."""
+    kind = values.type
+    if pa.types.is_dictionary(kind):
+        return text_column(values.dictionary_decode())
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        out = pc.utf8_trim_whitespace(values)  # the characters str.strip() removes (every one, tested)
+    elif pa.types.is_integer(kind):
+        out = pc.cast(values, pa.string())
+    else:
+        return _per_value(values, _text)
+    return _filled(out, "").cast(pa.string())
+
+
+def _filled(values: pa.Array, value: str) -> pa.Array:
+    """``values`` with nulls replaced by ``value``."""
+    return pc.fill_null(values, value) if values.null_count else values
+
+
+def _per_value(values: pa.Array, fn: Callable[[object], str]) -> pa.Array:
+    """``fn`` of each cell as a string array, called once per distinct value where Arrow can hash them."""
+    try:
+        distinct = pc.unique(values)
+    except pa.ArrowNotImplementedError:  # lists, structs, ...: once per cell
+        return pa.array([fn(v) for v in values.to_pylist()], pa.string())
+    mapped = pa.array([fn(v) for v in distinct.to_pylist()], pa.string())
+    return mapped.take(pc.index_in(values, value_set=distinct))
 
 
 def _text(value) -> str:
@@ -230,27 +345,76 @@ def _text(value) -> str:
     return str(value).strip()
 
 
-def resolve_image_uri(value: str, folder: str) -> str:
-    """An absolute local path or s3:// URI; a relative ``value`` is joined to ``folder`` (the table's)."""
-    if storage.is_s3(value):
-        return value
-    value = os.path.expanduser(value.removeprefix("file://"))
-    if os.path.isabs(value):
-        return os.path.normpath(value)
-    if storage.is_s3(folder):
-        return "s3://" + posixpath.normpath(posixpath.join(folder.removeprefix("s3://"), value))
-    return os.path.normpath(storage.join(folder, value))
+def _metadata(names: list[str], columns: list[pa.Array], n: int) -> pa.Array:
+    """Each row's metadata columns (``names`` sorted) as one JSON object: '{"a": 1, "b": "x"}'."""
+    if not names:
+        return pa.repeat(pa.scalar("{}"), n)
+    parts: list = []
+    for i, (name, values) in enumerate(zip(names, columns, strict=True)):
+        parts += [("{" if i == 0 else ", ") + json.dumps(name) + ": ", json_column(values)]
+    return pc.binary_join_element_wise(*parts, "}", "")
 
 
-def _folder(uri: str) -> str:
-    """The folder holding the table: relative image_uri values start there."""
-    return posixpath.dirname(uri) if storage.is_s3(uri) else os.path.dirname(storage.absolute(uri))
+def json_column(values: pa.Array) -> pa.Array:
+    """Each cell as ``json.dumps(_json_safe(cell), sort_keys=True, allow_nan=False)`` writes it."""
+    kind = values.type
+    if pa.types.is_dictionary(kind):
+        return json_column(values.dictionary_decode())
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        out = _json_strings(values.cast(pa.string()))
+    elif pa.types.is_integer(kind):
+        out = pc.cast(values, pa.string())
+    elif pa.types.is_boolean(kind):
+        out = pc.if_else(values, "true", "false")
+    elif pa.types.is_floating(kind):
+        out = _json_floats(values.cast(pa.float64()))
+    else:
+        return _per_cell(values, np.ones(len(values), bool))
+    return _filled(out, "null")
 
 
-def _datasets(raw: _Raw, default: str) -> list[str]:
-    """Each row's dataset: its own value, else ``default``."""
-    values = raw.columns.get("dataset", [None] * len(raw.lines))
-    return [_text(v) or default for v in values]
+def _json_strings(values: pa.Array) -> pa.Array:
+    """Strings as JSON: printable ASCII by Arrow (quotes and backslashes escaped), the rest by json.dumps."""
+    printable = pc.ascii_is_printable(values).fill_null(True).to_numpy(zero_copy_only=False)
+    escaped = values
+    for char in ("\\", '"'):  # the backslash first: the quotes' escapes are not escaped again
+        if pc.any(pc.match_substring(escaped, char)).as_py():
+            escaped = pc.replace_substring(escaped, char, "\\" + char)
+    out = pc.binary_join_element_wise('"', escaped, '"', "")
+    return _patched(out, values, ~printable)
+
+
+def _json_floats(values: pa.Array) -> pa.Array:
+    """Floats as Python writes them (repr; non-finite as null): Arrow's text where it is the same (no
+    exponent, 1e-4 <= |x| < 1e16 or 0, '.0' added to integral ones), json.dumps for the others."""
+    text = pc.cast(values, pa.string())
+    size = pc.abs(values)
+    plain = pc.and_(pc.or_(pc.equal(values, 0), pc.and_(pc.greater_equal(size, 1e-4), pc.less(size, 1e16))),
+                    pc.invert(pc.match_substring(text, "e")))
+    plain = plain.fill_null(True).to_numpy(zero_copy_only=False)  # nulls: 'null' below
+    integral = pc.invert(pc.match_substring(text, "."))
+    out = pc.if_else(integral, pc.binary_join_element_wise(text, ".0", ""), text)
+    return _patched(out, values, ~plain)
+
+
+def _patched(out: pa.Array, values: pa.Array, other: np.ndarray) -> pa.Array:
+    """``out`` with the cells where ``other`` is True written by json.dumps instead."""
+    if not other.any():
+        return out
+    return _scatter(out, np.flatnonzero(other), _per_cell(values, other))
+
+
+def _per_cell(values: pa.Array, chosen: np.ndarray) -> pa.Array:
+    """json.dumps of the chosen cells (in order)."""
+    picked = values.filter(pa.array(chosen)).to_pylist()
+    return pa.array([json.dumps(_json_safe(v), sort_keys=True, allow_nan=False) for v in picked], pa.string())
+
+
+def _scatter(base: pa.Array, where: np.ndarray, values: pa.Array) -> pa.Array:
+    """``base`` with ``values`` at the positions ``where`` (sorted)."""
+    source = np.arange(len(base), dtype=np.int64)
+    source[where] = len(base) + np.arange(len(where), dtype=np.int64)
+    return pa.concat_arrays([base.cast(pa.string()), values]).take(pa.array(source))
 
 
 def _json_safe(value):
@@ -270,60 +434,130 @@ def _json_safe(value):
     return str(value)  # Decimal, timedelta, ...
 
 
-def _metadata(raw: _Raw, names: list[str], row: int) -> str:
-    """The row's metadata columns as a JSON object, keys sorted."""
-    return json.dumps({n: _json_safe(raw.columns[n][row]) for n in names}, sort_keys=True, allow_nan=False)
+# ----------------------------------------------------------------------------- image URIs
+
+
+def resolve_image_uri(value: str, folder: str) -> str:
+    """An absolute local path or s3:// URI; a relative ``value`` is joined to ``folder`` (the table's)."""
+    if storage.is_s3(value):
+        return value
+    value = os.path.expanduser(value.removeprefix("file://"))
+    if os.path.isabs(value):
+        return os.path.normpath(value)
+    if storage.is_s3(folder):
+        return "s3://" + posixpath.normpath(posixpath.join(folder.removeprefix("s3://"), value))
+    return os.path.normpath(storage.join(folder, value))
+
+
+def resolve_image_uris(values: pa.Array, folder: str) -> pa.Array:
+    """``resolve_image_uri`` of every value ('' stays ''): s3:// URIs and clean paths (no '.', '..' or
+    empty segment) by Arrow, the others once per distinct value."""
+    s3 = pc.starts_with(values, "s3://")
+    clean = pc.invert(_any_of(pc.match_substring(values, "//"), pc.match_substring(values, "/."),
+                              pc.starts_with(values, "."), pc.ends_with(values, "/"),
+                              pc.starts_with(values, "~"), pc.starts_with(values, "file://")))
+    absolute = pc.and_(clean, pc.starts_with(values, "/"))
+    relative = pc.and_(clean, pc.invert(pc.or_(pc.starts_with(values, "/"), pc.equal(values, ""))))
+    prefix = resolve_image_uri("x", folder)[:-1]  # the folder, normalised, with its separator
+    out = pc.if_else(relative, pc.binary_join_element_wise(prefix, values, ""), values) \
+        if pc.any(relative).as_py() else values
+    simple = pc.or_(pc.or_(s3, relative), pc.or_(absolute, pc.equal(values, "")))
+    other = pc.invert(simple).to_numpy(zero_copy_only=False)
+    if not other.any():
+        return out
+    where = np.flatnonzero(other)
+    fixed = _per_value(values.take(pa.array(where)), lambda v: resolve_image_uri(v, folder))
+    return _scatter(out, where, fixed)
+
+
+def _any_of(*masks: pa.Array) -> pa.Array:
+    out = masks[0]
+    for mask in masks[1:]:
+        out = pc.or_(out, mask)
+    return out
+
+
+def _folder(uri: str) -> str:
+    """The folder holding the table: relative image_uri values start there."""
+    return posixpath.dirname(uri) if storage.is_s3(uri) else os.path.dirname(storage.absolute(uri))
 
 
 # ----------------------------------------------------------------------------- rows and labels
 
 
-def _screen(uri: str, lines: list[int], ids: list[str], images: list[str], datasets: list[str]
-            ) -> tuple[list[int], list[dict]]:
+def _screen(uri: str, lines: np.ndarray, ids: pa.Array, images: pa.Array, datasets: pa.Array
+            ) -> tuple[np.ndarray, list[dict]]:
     """Indices of the rows kept, and a reject for every other: empty id, no image, repeated id."""
-    problems: dict[int, tuple[str, str]] = {}
-    for i, (item_id, image) in enumerate(zip(ids, images, strict=True)):
-        if not item_id:
-            problems[i] = ("empty_item_id", "item_id is empty")
-        elif not image:
-            problems[i] = ("missing_image_uri", f"image_uri of item {item_id!r} is empty")
+    no_id = pc.equal(ids, "").to_numpy(zero_copy_only=False)
+    no_image = pc.equal(images, "").to_numpy(zero_copy_only=False) & ~no_id
+    problems: dict[int, tuple[str, str]] = {int(i): ("empty_item_id", "item_id is empty")
+                                            for i in np.flatnonzero(no_id)}
+    for i in np.flatnonzero(no_image):
+        problems[int(i)] = ("missing_image_uri", f"image_uri of item {ids[i].as_py()!r} is empty")
+    valid = ~(no_id | no_image)
+    counts = pc.value_counts(ids.filter(pa.array(valid)))
+    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+    if len(repeated):
+        problems.update(_duplicates(lines, ids, valid & pc.is_in(ids, value_set=repeated).to_numpy(
+            zero_copy_only=False)))
+    rows = sorted(problems)
+    bad = np.zeros(len(ids), bool)
+    bad[rows] = True
+    rejects = [Reject(ids[i].as_py() or f"<row {lines[i]}>", datasets[i].as_py(), reason, REJECT_STAGE,
+                      images[i].as_py(), detail=f"{uri} row {lines[i]}: {detail}").to_dict()
+               for i, (reason, detail) in ((i, problems[i]) for i in rows)]
+    return np.flatnonzero(~bad), rejects
+
+
+def _duplicates(lines: np.ndarray, ids: pa.Array, repeated: np.ndarray) -> dict[int, tuple[str, str]]:
+    """A duplicate_item_id problem for every row but the first of each repeated item id."""
+    where = np.flatnonzero(repeated)
     rows_of: dict[str, list[int]] = defaultdict(list)
-    for i, item_id in enumerate(ids):
-        if i not in problems:
-            rows_of[item_id].append(i)
+    for i, item_id in zip(where.tolist(), ids.take(pa.array(where)).to_pylist(), strict=True):
+        rows_of[item_id].append(i)
+    problems = {}
     for item_id, rows in rows_of.items():
         numbers = ", ".join(str(lines[i]) for i in rows)
         for i in rows[1:]:
             problems[i] = ("duplicate_item_id", f"item_id {item_id!r} is on rows {numbers}; the first "
                                                 f"(row {lines[rows[0]]}) is kept")
-    rejects = [Reject(ids[i] or f"<row {lines[i]}>", datasets[i], reason, REJECT_STAGE, images[i],
-                      detail=f"{uri} row {lines[i]}: {detail}").to_dict()
-               for i, (reason, detail) in sorted(problems.items())]
-    return [i for i in range(len(ids)) if i not in problems], rejects
+    return problems
 
 
-def _label_parts(value) -> tuple[str, int | None]:
-    """A label cell as (text, its integer or None): '' when empty; 3, 3.0 and '3' are all 3."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value), value
-    text = _text(value)
-    return text, (int(text) if _INTEGER.fullmatch(text) else None)
+def _labels(texts: pa.Array, datasets: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """(label, class_name) per row from its label text: integers as given, text numbered by sorted order
+    per dataset; decided once per distinct (dataset, text) pair."""
+    n = len(texts)
+    labels, class_names = np.full(n, NO_LABEL, np.int64), np.zeros(n, np.int64)
+    has = pc.not_equal(texts, "").to_numpy(zero_copy_only=False)
+    names = [""]
+    if has.any():
+        ds, tx = datasets.dictionary_encode(), texts.dictionary_encode()
+        key = (ds.indices.to_numpy().astype(np.int64) * len(tx.dictionary)
+               + tx.indices.to_numpy().astype(np.int64))[has]
+        pairs, inverse = np.unique(key, return_inverse=True)
+        pair_ds = ds.dictionary.take(pa.array(pairs // len(tx.dictionary))).to_pylist()
+        pair_text = tx.dictionary.take(pa.array(pairs % len(tx.dictionary))).to_pylist()
+        pair_label, pair_name = _number(pair_ds, pair_text)
+        names += pair_text
+        labels[has] = np.asarray(pair_label, np.int64)[inverse]
+        class_names[has] = np.where(np.asarray(pair_name)[inverse], 1 + inverse, 0)
+    return pa.array(labels), pa.array(names, pa.string()).take(pa.array(class_names))
 
 
-def _labels(values: list, datasets: list[str]) -> tuple[list[int], list[str]]:
-    """(label, class_name) per row: integers as given, text numbered by sorted order per dataset."""
-    parts = [_label_parts(v) for v in values]
-    labels, class_names = [NO_LABEL] * len(values), [""] * len(values)
-    rows_of: dict[str, list[int]] = defaultdict(list)
-    for i, ((text, _), name) in enumerate(zip(parts, datasets, strict=True)):
-        if text:
-            rows_of[name].append(i)
-    for rows in rows_of.values():
-        if all(parts[i][1] is not None for i in rows):
-            for i in rows:
+def _number(datasets: list[str], texts: list[str]) -> tuple[list[int], list[bool]]:
+    """For distinct (dataset, label text) pairs: each one's label, and whether its text is its class name."""
+    parts = [(t, int(t) if _INTEGER.fullmatch(t) else None) for t in texts]
+    pairs_of: dict[str, list[int]] = defaultdict(list)
+    for i, name in enumerate(datasets):
+        pairs_of[name].append(i)
+    labels, named = [NO_LABEL] * len(texts), [False] * len(texts)
+    for pairs in pairs_of.values():
+        if all(parts[i][1] is not None for i in pairs):
+            for i in pairs:
                 labels[i] = parts[i][1]
             continue
-        index = {text: k for k, text in enumerate(sorted({parts[i][0] for i in rows}))}
-        for i in rows:
-            labels[i], class_names[i] = index[parts[i][0]], parts[i][0]
-    return labels, class_names
+        index = {text: k for k, text in enumerate(sorted({parts[i][0] for i in pairs}))}
+        for i in pairs:
+            labels[i], named[i] = index[parts[i][0]], True
+    return labels, named
