@@ -22,7 +22,7 @@ from puma.config import IndexConfig, load_config
 from puma.index import add_items, build_index
 from puma.serve.app import IndexPartition, PartitionedIndex, deployment_options
 from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
-from puma.serve.channel import ChannelError, ChannelServer, Connection, pack, read_frame
+from puma.serve.channel import LENGTH, ChannelError, ChannelServer, Connection, pack, read_frame
 from puma.serve.errors import RequestError
 from puma.serve.live_index import LiveIndex
 from puma.serve.partitions import Partition
@@ -129,8 +129,16 @@ def test_a_client_without_the_apps_token_is_refused(index: str):
             writer.close()
             return reply, rest
 
+        async def huge_hello() -> bytes:  # a frame of 100 MB announced before any token: closed unread
+            reader, writer = await asyncio.open_connection(*address)
+            writer.write(LENGTH.pack(100_000_000) + b"x" * 1000)
+            rest = await reader.read()
+            writer.close()
+            return rest
+
         reply, rest = asyncio.run(request_without_hello())
         assert reply[0] == "refused" and rest == b""
+        assert asyncio.run(huge_hello()) == b""
         with pytest.raises(RequestError) as refused:
             asyncio.run(fan_out([part], token="another-apps-token").search_vector(
                 np.ones(DIM, np.float32) / 4, 5, (), (), ""))

@@ -51,6 +51,7 @@ MAX_FRAME = 256 * 1024 * 1024  # a larger length is a broken or hostile peer, no
 NDARRAY = 1  # msgpack extension code of a numpy array
 MAX_BATCH = 64  # requests one worker runs in one go
 CONNECT_TIMEOUT_S = 5.0  # a client must present its token within this
+HELLO_LIMIT = 4096  # bytes of that first frame (no large frame before the token is checked)
 RELEARN_S = 5.0  # how often a client asks for its partition's replicas while calls flow
 LEARN_TIMEOUT_S = 10.0  # asking for them gives up after this (a lost node may hold the answer)
 
@@ -89,11 +90,12 @@ def unpack(body: bytes):
     return msgpack.unpackb(body, ext_hook=_decode, raw=False, strict_map_key=False)
 
 
-async def read_frame(reader: asyncio.StreamReader):
-    """The next frame's value; IncompleteReadError at the end of the stream."""
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME):
+    """The next frame's value; IncompleteReadError at the end of the stream, ChannelError for a frame
+    longer than ``limit`` bytes."""
     (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-    if size > MAX_FRAME:
-        raise ChannelError(f"a frame of {size} bytes on the partition channel (at most {MAX_FRAME})")
+    if size > limit:
+        raise ChannelError(f"a frame of {size} bytes on the partition channel (at most {limit})")
     return unpack(await reader.readexactly(size))
 
 
@@ -201,7 +203,7 @@ class ChannelServer:
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Whether the client's first frame is the protocol and this app's token (else refuse, close)."""
         try:
-            hello = await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S)
+            hello = await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S)
         except asyncio.TimeoutError:
             return False
         ok = (isinstance(hello, list) and len(hello) == 3 and tuple(hello[:2]) == PROTOCOL
