@@ -398,7 +398,8 @@ class PartitionedIndex(FanOut):
     def _clients(self) -> list[PartitionClient]:
         loop = asyncio.get_running_loop()
         if loop not in self._channels:
-            self._channels[loop] = [PartitionClient(f"index-{p}", self.learn(h), self.channel_token)
+            self._channels[loop] = [PartitionClient(f"index-{p}", self.learn(h), self.channel_token,
+                                                    learn_timeout_s=self.timeout_s)
                                     for p, h in enumerate(self.handles)]
         return self._channels[loop]
 
