@@ -240,3 +240,55 @@ def test_a_rejected_photo_that_is_fixed_is_indexed_by_the_next_run(ray_cluster, 
     fixed = embed_catalogue(cfg, str(shop))
     assert (fixed.embedded, fixed.added, fixed.rejected, fixed.total) == (1, 1, 0, 4)
     assert read_rejects(fixed.rejects_uri) == []
+
+
+def test_rows_sharing_a_photo_are_decoded_and_embedded_once_and_each_indexed(ray_cluster, checkpoint,
+                                                                             tmp_path):
+    """Product variants with one photo: each distinct image is read, decoded and embedded once per run
+    (report.images), on the Ray path with an IVF index's training sample and in-process; every row is
+    indexed with its photo's embedding and fingerprint and its own description and stamp; a shared photo
+    that is rejected rejects every row that uses it."""
+    images = tmp_path / "images"
+    images.mkdir()
+    own = photos("daisy")[30:37]
+    for p in own:
+        shutil.copy(p, images / p.name)
+    (images / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    rows = [{"item_id": f"v{i}-{k}", "image_uri": f"images/{p.name}", "label": "daisy", "price": str(k)}
+            for i, p in enumerate(own[:6]) for k in range(1 + i % 3)]  # 12 rows over 6 photos
+    rows += [{"item_id": f"bad-{k}", "image_uri": "images/broken.jpg", "label": "daisy", "price": "1"}
+             for k in range(3)]
+    table = tmp_path / "variants.csv"
+    write_table(table, rows)
+    cfg = cfg_for(tmp_path, checkpoint, "index.index_type=ivf_flat", "index.nlist=1", "index.train_sample=4",
+                  "index.nprobe=1")
+    first = embed_catalogue(cfg, str(table))
+    assert (first.images, first.embedded, first.added, first.total, first.rejected) == (6, 12, 12, 12, 3)
+    bad = {r["item_id"]: r for r in read_rejects(first.rejects_uri)}
+    assert set(bad) == {"bad-0", "bad-1", "bad-2"} and len({r["reason"] for r in bad.values()}) == 1
+    assert all(r["source_path"] == str(images / "broken.jpg") for r in bad.values())
+    location = str(tmp_path / "index")
+    assert read_manifest(resolve(location)).train_count == 6  # the sample: every distinct photo once
+    index = ShardedIndex.open(location, use_gpu=False)
+    photo_of = {r["item_id"]: images / Path(r["image_uri"]).name for r in rows[:12]}
+    np.testing.assert_allclose(index.embeddings(list(photo_of)),
+                               reference_embeddings(checkpoint, refs_of(list(photo_of.values()))), atol=1e-5)
+    stored = pq.read_table([p for p in Path(resolve(location)).rglob("*.parquet") if "shards" in str(p)])
+    by_id = {r["item_id"]: r for r in stored.to_pylist()}
+    assert {by_id[i]["fingerprint"] for i in ("v2-0", "v2-1", "v2-2")} == {by_id["v2-0"]["fingerprint"]}
+    assert [json.loads(by_id[i]["metadata"])["price"] for i in ("v2-0", "v2-1", "v2-2")] == ["0", "1", "2"]
+
+    extra = photos("daisy")[40]
+    shutil.copy(extra, images / extra.name)
+    rows[0]["image_uri"] = f"images/{extra.name}"  # v0-0 now shows the new photo, as three new rows do
+    rows += [{"item_id": f"n{k}", "image_uri": f"images/{extra.name}", "label": "daisy", "price": "2"}
+             for k in range(3)]
+    rows += [{"item_id": "m", "image_uri": f"images/{own[1].name}", "label": "daisy", "price": "9"},
+             {"item_id": "bad-3", "image_uri": "images/broken.jpg", "label": "daisy", "price": "1"}]
+    write_table(table, rows)
+    second = embed_catalogue(cfg, str(table))  # a few images: embedded in this process
+    assert (second.images, second.embedded, second.changed, second.added) == (2, 5, 1, 4)
+    assert (second.total, second.rejected, second.skipped_rejected) == (16, 4, 3)
+    index = ShardedIndex.open(location, use_gpu=False)
+    np.testing.assert_allclose(index.embeddings(["v0-0", "n0", "n1", "n2", "m"]),
+                               reference_embeddings(checkpoint, refs_of([extra] * 4 + [own[1]])), atol=1e-5)

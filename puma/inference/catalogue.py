@@ -12,9 +12,10 @@ A catalogue is
   item_id and image_uri from the row, label / dataset when given, every other column as the
   item's ``metadata`` (JSON). Bad rows (empty or repeated item id, no image_uri) are rejects.
 
-References are a pyarrow table (REF_COLUMNS), so the job can drop what is indexed and unchanged
-before any image is read or decoded. ``stamp`` is what the listing says of the image (size and
-write time of a file, or shard and row of a prepared item): when it is the stamp stored with the
+References are a pyarrow table (REF_COLUMNS; the repeated string columns dictionary-encoded, ``plain``
+decodes them), so the job can drop what is indexed and unchanged before any image is read or decoded.
+``stamp`` is what the listing says of the image (size and write time of a file, or shard and row of a
+prepared item): when it is the stamp stored with the
 indexed item, the image is unchanged and is not read (``puma.inference.reconcile``).
 """
 
@@ -124,15 +125,16 @@ def _prepared_refs(uri: str, split: str) -> pa.Table:
         for shard in manifest.shard_uris(stored):
             cols = read_columns(shard, [ITEM_ID, DATASET, LABEL, CLASS_NAME, ROLE, SPLIT, SOURCE_PATH])
             n = len(cols)
+            rows = pa.array(np.arange(n, dtype=np.int64))
             # shards are content-addressed (their name is their sha256): shard + row names the bytes
-            stamps = [f"{posixpath.basename(shard)}#{row}" for row in range(n)]
-            tables.append(cols.append_column(CATALOGUE, pa.array([uri] * n, pa.string()))
-                          .append_column(IMAGE_URI, pa.array([shard] * n, pa.string()))
-                          .append_column(IMAGE_ROW, pa.array(np.arange(n, dtype=np.int64)))
-                          .append_column(STAMP, pa.array(stamps, pa.string())))
+            stamps = pc.binary_join_element_wise(f"{posixpath.basename(shard)}#", rows.cast(pa.string()), "")
+            tables.append(cols.append_column(CATALOGUE, constant(uri, n))
+                          .append_column(IMAGE_URI, constant(shard, n))
+                          .append_column(IMAGE_ROW, rows)
+                          .append_column(STAMP, stamps))
     if not tables:
         return _empty_refs()
-    return _typed(pa.concat_tables(tables))
+    return _typed(pa.concat_tables(tables, promote_options="permissive"))
 
 
 def _image_refs(uri: str) -> Listing:
@@ -141,29 +143,53 @@ def _image_refs(uri: str) -> Listing:
     images = [f for f in files if f.uri.lower().endswith(IMAGE_SUFFIXES)]
     name = catalogue_name(uri)
     base = uri.rstrip("/") + "/"
-    paths = [f.uri for f in images]
-    rel = [p[len(base):] if p.startswith(base) else posixpath.basename(p) for p in paths]
+    paths = pa.array([f.uri for f in images], pa.string())
     n = len(images)
-    refs = pa.table({ITEM_ID: [schema.make_item_id(name, r) for r in rel], DATASET: [name] * n,
-                     LABEL: pa.array(np.full(n, NO_LABEL, np.int64)), ROLE: [schema.GALLERY] * n,
-                     SPLIT: [""] * n, SOURCE_PATH: paths, CATALOGUE: [uri] * n, IMAGE_URI: paths,
-                     IMAGE_ROW: pa.array(np.full(n, -1, np.int64)), STAMP: [f.stamp for f in images]})
+    inside = pc.starts_with(paths, base)
+    rel = pc.if_else(inside, pc.utf8_slice_codeunits(paths, len(base)),
+                     pc.replace_substring_regex(paths, r"^.*/", ""))  # else the file name
+    rel = pc.utf8_ltrim(pc.replace_substring(rel, "\\", "/"), "/")  # as schema.make_item_id
+    sizes = np.fromiter((f.size for f in images), np.int64, n)
+    times = np.fromiter((f.mtime_ns for f in images), np.int64, n)
+    refs = pa.table({ITEM_ID: pc.binary_join_element_wise(f"{name}/", rel, ""), DATASET: constant(name, n),
+                     LABEL: pa.array(np.full(n, NO_LABEL, np.int64)), ROLE: constant(schema.GALLERY, n),
+                     SPLIT: constant("", n), SOURCE_PATH: paths, CATALOGUE: constant(uri, n),
+                     IMAGE_URI: paths, IMAGE_ROW: pa.array(np.full(n, -1, np.int64)),
+                     STAMP: stamps(sizes, times)})
     return Listing(_typed(refs), len(files) - n)
 
 
 def _table_refs(uri: str) -> Listing:
-    """One reference per valid row of a catalogue table; each image stamped by asking its store."""
+    """One reference per valid row of a catalogue table; each distinct image stamped once (see
+    storage.stat_files: S3 folders are listed where that takes fewer requests than a HEAD per image)."""
     table = read_item_table(uri, catalogue_name(uri))
     rows = table.rows
     n = len(rows)
-    images = rows[IMAGE_URI].to_pylist()
-    stats = storage.stat_files(images)
-    refs = pa.table({ITEM_ID: rows[ITEM_ID], DATASET: rows[DATASET], LABEL: rows[LABEL],
-                     CLASS_NAME: rows[CLASS_NAME], ROLE: [schema.GALLERY] * n, SPLIT: [""] * n,
-                     SOURCE_PATH: images, CATALOGUE: [uri] * n, IMAGE_URI: images,
-                     IMAGE_ROW: pa.array(np.full(n, -1, np.int64)), METADATA: rows[METADATA],
-                     STAMP: [st.stamp if st is not None else "" for st in stats]})
+    images = rows[IMAGE_URI].combine_chunks()
+    distinct = pc.unique(images)
+    stats = storage.stat_files(distinct.to_pylist())
+    found = np.fromiter((s is not None for s in stats), bool, len(stats))
+    sizes = np.fromiter((s.size if s else 0 for s in stats), np.int64, len(stats))
+    times = np.fromiter((s.mtime_ns if s else 0 for s in stats), np.int64, len(stats))
+    stamp = stamps(sizes, times, found).take(pc.index_in(images, value_set=distinct))
+    refs = pa.table({ITEM_ID: rows[ITEM_ID], DATASET: rows[DATASET].dictionary_encode(),
+                     LABEL: rows[LABEL], CLASS_NAME: rows[CLASS_NAME].dictionary_encode(),
+                     ROLE: constant(schema.GALLERY, n), SPLIT: constant("", n), SOURCE_PATH: images,
+                     CATALOGUE: constant(uri, n), IMAGE_URI: images,
+                     IMAGE_ROW: pa.array(np.full(n, -1, np.int64)), METADATA: rows[METADATA], STAMP: stamp})
     return Listing(_typed(refs), 0, table.rejects)
+
+
+def stamps(sizes: np.ndarray, mtimes_ns: np.ndarray, found: np.ndarray | None = None) -> pa.Array:
+    """``<size>:<mtime_ns>`` per file (storage.FileStat.stamp), '' where ``found`` is False."""
+    text = [pa.array(v, pa.int64()).cast(pa.string()) for v in (sizes, mtimes_ns)]
+    out = pc.binary_join_element_wise(*text, ":")
+    return out if found is None or found.all() else pc.if_else(pa.array(found), out, "")
+
+
+def constant(value: str, n: int) -> pa.DictionaryArray:
+    """``n`` times ``value``, dictionary-encoded (4 bytes a row): a catalogue's repeated columns."""
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([value], pa.string()))
 
 
 def _empty_refs() -> pa.Table:
@@ -172,20 +198,32 @@ def _empty_refs() -> pa.Table:
 
 
 DEFAULTS = {CLASS_NAME: "", METADATA: "{}", STAMP: "", FINGERPRINT: ""}
+DICTIONARY = pa.dictionary(pa.int32(), pa.string())
 
 
 def _typed(table: pa.Table) -> pa.Table:
-    """The reference columns in order with their types (strings, label and image_row int64); the
-    optional ones a listing does not give are filled with their defaults."""
+    """The reference columns in order with their types (strings, label and image_row int64; a string
+    column may be dictionary-encoded, as the repeated ones are); the optional ones a listing does not give
+    are filled with their defaults."""
     columns = {}
     for c in REF_COLUMNS:
         if c in table.column_names:
-            columns[c] = table[c].cast(pa.int64() if c in INT_COLUMNS else pa.string())
-            if c in DEFAULTS:
+            kind = pa.int64() if c in INT_COLUMNS else \
+                DICTIONARY if pa.types.is_dictionary(table[c].type) else pa.string()
+            columns[c] = table[c].cast(kind)
+            if c in DEFAULTS and columns[c].null_count:
                 columns[c] = pc.fill_null(columns[c], DEFAULTS[c])
         else:
-            columns[c] = pa.array([DEFAULTS[c]] * len(table), pa.string())
+            columns[c] = constant(DEFAULTS[c], len(table))
     return pa.table(columns)
+
+
+def plain(table: pa.Table) -> pa.Table:
+    """``table`` with its dictionary-encoded columns decoded (what a writer or a Ray block gets)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type):
+            table = table.set_column(i, f.name, table[f.name].cast(f.type.value_type))
+    return table
 
 
 def without(refs: pa.Table, item_ids: pa.Array) -> tuple[pa.Table, int]:

@@ -73,6 +73,21 @@ def read_image_bytes(refs: pa.Table) -> list[bytes | Exception]:
     return out
 
 
+def share_images(refs: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """(one reference per distinct image: the first row naming its image_uri and image_row, in order;
+    for each row of ``refs``, the position of its image's reference). Rows sharing a photo (product
+    variants) are read, decoded and embedded once."""
+    uris = refs[IMAGE_URI].combine_chunks()
+    uris = uris if pa.types.is_dictionary(uris.type) else uris.dictionary_encode()
+    rows = refs[IMAGE_ROW].to_numpy().astype(np.int64)  # -1 for an image file
+    key = uris.indices.to_numpy().astype(np.int64) * (int(rows.max(initial=0)) + 2) + rows + 1
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    position = np.empty(len(first), np.int64)
+    position[order] = np.arange(len(first))
+    return refs.take(pa.array(first[order])), position[inverse.ravel()]
+
+
 def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], list[dict]]:
     """(numpy batch of the decodable references with their eval views, reject rows of the others);
     data.decode_on=worker: the plain JPEGs' views are planned, the Embedder decodes them on its device."""

@@ -58,13 +58,13 @@ from puma.config import Config, absolute_paths
 from puma.data import schema
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.manifest import load_manifest
-from puma.data.rejects import read_rejects, reject_counts, write_rejects
+from puma.data.rejects import Reject, read_rejects, reject_counts, write_rejects
 from puma.errors import UserError
 from puma.faults import fault_point
 from puma.index import create_index, plan_index, read_manifest
 from puma.index.build import check_compatible, commit_changes, compact
 from puma.index.manifest import Manifest, has_manifest, now
-from puma.index.table import CATALOGUE, INDEX_ID, ITEM_ID, ROLE, STAMP, embedding_matrix
+from puma.index.table import CATALOGUE, DATASET, INDEX_ID, ITEM_ID, ROLE, STAMP, embedding_matrix
 from puma.index.versions import (
     is_legacy,
     list_versions,
@@ -83,10 +83,21 @@ from puma.inference.catalogue import (
     is_prepared,
     list_catalogue,
     list_catalogues,
+    plain,
     without,
 )
-from puma.inference.embedder import Embedder, decode_refs, read_and_decode, to_table
-from puma.inference.reconcile import Plan, live_items, plan, restamped_rows
+from puma.inference.embedder import (
+    EMBEDDING,
+    FINGERPRINT,
+    META_COLUMNS,
+    OUTPUT_COLUMNS,
+    Embedder,
+    decode_refs,
+    read_and_decode,
+    share_images,
+    to_table,
+)
+from puma.inference.reconcile import LiveItems, Plan, live_items, plan, restamped_rows
 
 log = logging.getLogger(__name__)
 REJECTS_DIR = "rejects"
@@ -104,6 +115,7 @@ class EmbedReport:
     model_id: str = ""
     items: int = 0  # items the catalogue lists (the selected split), rejected rows not counted
     embedded: int = 0  # images read, decoded and embedded and written by this run (added + changed)
+    images: int = 0  # distinct images decoded and embedded (rows sharing an image_uri and image_row: once)
     added: int = 0  # new items written
     changed: int = 0  # items whose image changed: embedded again, the old row removed
     restamped: int = 0  # same image, new stamp or metadata: stored embedding written again
@@ -253,8 +265,8 @@ def remove_catalogue(cfg: Config, catalogue: str) -> list[dict]:
     records = []
     for uri in uris:
         manifest = read_manifest(uri)
-        live = live_items(uri, manifest)
-        ids = live.filter(pc.equal(live[CATALOGUE], catalogue))[INDEX_ID].to_numpy()
+        keys = live_items(uri, manifest).keys
+        ids = keys.filter(pc.equal(keys[CATALOGUE], catalogue).fill_null(False))[INDEX_ID].to_numpy()
         if not len(ids) and catalogue not in manifest.catalogues:
             continue
         record = {"at": now(), "action": "remove_catalogue", "catalogue": catalogue, "removed": int(len(ids))}
@@ -295,27 +307,33 @@ class _Run:
     index_uri: str
     checkpoint: str
     model_id: str
-    view: ViewSpec
+    model_cfg: Config  # the checkpoint's own config
     dim: int
     report: EmbedReport
     plan: Plan | None = None
     embedder: Embedder | None = None  # the model loaded on the driver (_check_model)
 
+    @functools.cached_property
+    def view(self) -> ViewSpec:
+        """The model's eval view with the job's size limit and decoder: planned on first use (it imports
+        timm for the backbone's normalisation), so a run with nothing to embed never plans it."""
+        view = eval_view_spec(self.model_cfg, min_size=self.cfg.data.min_image_size)
+        return dataclasses.replace(view, on_worker=self.cfg.data.decode_on == "worker")
+
 
 def _prepare_run(cfg: Config, catalogue: str, location: str, checkpoint: str) -> _Run:
-    """The eval view and model id from the checkpoint (its own config), the index to write, a report."""
+    """The model id from the checkpoint (its own config), the index to write, a report."""
     checkpoint = follow_pointer(checkpoint)  # best/ -> its version now: the id and all actors read one model
     state = read_checkpoint(checkpoint)
     model_cfg = state.config
-    view = eval_view_spec(model_cfg, min_size=cfg.data.min_image_size)  # the model's view, the job's limit
-    view = dataclasses.replace(view, on_worker=cfg.data.decode_on == "worker")  # and the job's decoder
     model_id = checkpoint_id(checkpoint, state)
     version = "" if is_legacy(location) else version_name(model_id)
     index_uri = version_uri(location, version) if version else location
     report = EmbedReport(catalogue=catalogue, index_uri=index_uri, location=location, version=version,
                          checkpoint=checkpoint, model_id=model_id,
                          rejects_uri=rejects_uri(location, catalogue))
-    return _Run(cfg, catalogue, index_uri, checkpoint, model_id, view, model_cfg.model.head.embed_dim, report)
+    dim = model_cfg.model.head.embed_dim
+    return _Run(cfg, catalogue, index_uri, checkpoint, model_id, model_cfg, dim, report)
 
 
 def _check_model(run: _Run) -> None:
@@ -372,24 +390,27 @@ def _forget_fixed_rejects(run: _Run, todo: pa.Table) -> set[str]:
     """Items rejected earlier whose image has changed since (another stamp): their old rows leave the
     rejects file and they are read again (a fixed photo is indexed without embed.retry_rejects)."""
     rows = read_rejects(run.report.rejects_uri)
-    stamps = dict(zip(todo[ITEM_ID].to_pylist(), todo[STAMP].to_pylist(), strict=True))
-    fixed = {r["item_id"] for r in rows if r.get("stamp") and r["item_id"] in stamps
-             and stamps[r["item_id"]] != r["stamp"]}
+    stamped = [r for r in rows if r.get("stamp")]
+    at = pc.index_in(pa.array([r["item_id"] for r in stamped], pa.string()), value_set=todo[ITEM_ID])
+    now = todo[STAMP].take(at).to_pylist() if stamped else []  # each one's stamp in todo, or None
+    fixed = {r["item_id"] for r, stamp in zip(stamped, now, strict=True)
+             if stamp is not None and stamp != r["stamp"]}
     if fixed:
         write_rejects(run.report.rejects_uri, [r for r in rows if r["item_id"] not in fixed])
         log.info("catalogue %s: %d rejected image(s) changed since: read again", run.catalogue, len(fixed))
     return fixed
 
 
-def _in_split(live: pa.Table, catalogue: str, split: str) -> pa.Table:
+def _in_split(live: LiveItems, catalogue: str, split: str) -> LiveItems:
     """The live rows a run over ``split`` of a prepared catalogue answers for: another split's items
     are not removed because this run did not list them."""
     if split == "all" or not is_prepared(catalogue):
         return live
     roles = {"train": [schema.ROLE_TRAIN], "test": [schema.QUERY, schema.GALLERY]}[split]
-    mine = pc.equal(live[CATALOGUE], catalogue).fill_null(False)
-    other_split = pc.and_(mine, pc.invert(pc.is_in(live[ROLE], value_set=pa.array(roles, pa.string()))))
-    return live.filter(pc.invert(other_split.fill_null(False)))
+    keys = live.keys
+    mine = pc.equal(keys[CATALOGUE], catalogue).fill_null(False)
+    other_split = pc.and_(mine, pc.invert(pc.is_in(keys[ROLE], value_set=pa.array(roles, pa.string()))))
+    return live.where(pc.invert(other_split.fill_null(False)))
 
 
 def _add_rejects(run: _Run, rows: list[dict]) -> None:
@@ -410,12 +431,16 @@ def _list_prepare_rejects(run: _Run, split: str) -> None:
 
 
 def _embed_todo(run: _Run, todo: pa.Table) -> None:
-    """Train the index if it is new, then stream the rest in commits of embed.commit_rows. Up to
+    """Train the index if it is new, then stream the rest in commits of embed.commit_rows. Each distinct
+    image is read, decoded and embedded once: rows sharing it get its embedding (_SharedImages). Up to
     embed.local_max_items images for an existing index are embedded in this process (no pipeline
     to start: a nightly run with a few changes takes seconds, not the actors' start-up)."""
-    if len(todo) <= run.cfg.embed.local_max_items and has_manifest(run.index_uri):
-        with console.progress(f"embedding {catalogue_name(run.catalogue)}", len(todo), "img") as bar:
-            _commit_stream(run, _counted(_embed_here(run, todo), bar))
+    shared = _SharedImages.of(todo)
+    images, title = shared.images, f"embedding {catalogue_name(run.catalogue)}"
+    if len(images) <= run.cfg.embed.local_max_items and has_manifest(run.index_uri):
+        with console.progress(title, len(images), "img") as bar:
+            _commit_stream(run, shared.rows(run, _counted(_embed_here(run, images), bar)))
+        _add_rejects(run, shared.rejects(read_rejects(run.report.rejects_uri)))
         return
     import ray
 
@@ -424,13 +449,82 @@ def _embed_todo(run: _Run, todo: pa.Table) -> None:
     init_ray()
     reject_log = _reject_log(run)
     try:
-        with console.progress(f"embedding {catalogue_name(run.catalogue)}", len(todo), "img") as bar:
+        with console.progress(title, len(images), "img") as bar:
             if not has_manifest(run.index_uri):
-                todo = _create_index(run, todo, reject_log, bar)
-            if len(todo):
-                _commit_stream(run, _counted(_stream(run, todo, reject_log), bar))
+                images = _create_index(run, shared, len(todo), reject_log, bar)
+            if len(images):
+                _commit_stream(run, shared.rows(run, _counted(_stream(run, images, reject_log), bar)))
+        rows = shared.rejects(ray.get(reject_log.rows.remote()))
+        if rows:
+            ray.get(reject_log.record.remote(rows))
     finally:
         ray.kill(reject_log)  # every decode task has recorded its rejects (ray.get) before returning
+
+
+@dataclass
+class _SharedImages:
+    """The rows to embed as distinct images: one reference per image (image_uri, image_row) is read,
+    decoded and embedded; the rows sharing it (product variants with one photo) get its embedding and
+    fingerprint with their own item id, description and stamp, in the same commit."""
+
+    images: pa.Table  # one reference per distinct image (its first row)
+    sharers: pa.Table  # every other row, plain columns
+    image_of: np.ndarray  # (len(sharers),) the position in ``images`` of each sharer's image
+    sharers_of: dict[str, np.ndarray]  # item id of a shared image's reference -> its sharers' rows
+    embedded: set = field(default_factory=set)  # references of shared images that were embedded
+
+    @classmethod
+    def of(cls, todo: pa.Table) -> _SharedImages:
+        images, position = share_images(todo)
+        first = np.zeros(len(todo), bool)
+        first[np.unique(position, return_index=True)[1]] = True
+        if first.all():
+            return cls(images, todo.slice(0, 0), np.zeros(0, np.int64), {})
+        rows = np.flatnonzero(~first)
+        sharers, image_of = plain(todo.take(pa.array(rows))), position[rows]
+        order = np.argsort(image_of, kind="stable")
+        bounds = np.flatnonzero(np.diff(image_of[order], prepend=-1, append=-2))
+        owners = images[ITEM_ID].take(pa.array(image_of[order[bounds[:-1]]])).to_pylist()
+        groups = {item: order[a:b] for item, a, b in zip(owners, bounds[:-1], bounds[1:], strict=True)}
+        return cls(images, sharers, image_of, groups)
+
+    def rows(self, run: _Run, batches: Iterator) -> Iterator[pa.Table]:
+        """Each embedded batch as a table, followed by the rows sharing its images; counts the images."""
+        for batch in batches:
+            table = batch if isinstance(batch, pa.Table) else to_table(batch)
+            run.report.images += len(table)
+            if self.sharers_of:
+                table = pa.concat_tables([table, self._sharing(table)])
+            yield table
+
+    def _sharing(self, table: pa.Table) -> pa.Table:
+        """The sharers of the batch's images, with their image's embedding and fingerprint."""
+        ids = table[ITEM_ID].to_pylist()
+        found = [(i, self.sharers_of[item]) for i, item in enumerate(ids) if item in self.sharers_of]
+        self.embedded.update(ids[i] for i, _ in found)
+        if not found:
+            return table.slice(0, 0)
+        rows = np.concatenate([r for _, r in found])
+        source = np.concatenate([np.full(len(r), i, np.int64) for i, r in found])  # each one's image row
+        own = self.sharers.take(pa.array(rows))
+        columns = {c: own[c] for c in META_COLUMNS if c != FINGERPRINT}
+        columns.update({c: table[c].take(pa.array(source)) for c in (EMBEDDING, FINGERPRINT)})
+        return pa.table({c: columns[c].cast(table.schema.field(c).type) for c in OUTPUT_COLUMNS})
+
+    def rejects(self, rejected: list[dict]) -> list[dict]:
+        """A reject for every row sharing an image whose reference was rejected (its reason, its stage)."""
+        by_item = {r["item_id"]: r for r in rejected}
+        out = []
+        for item, rows in self.sharers_of.items():
+            if item in self.embedded or item not in by_item:
+                continue
+            first = by_item[item]
+            for r in self.sharers.take(pa.array(rows)).to_pylist():
+                detail = f"{first.get('detail', '')} (the image of item {item!r}, read once for every row)"
+                out.append(Reject(item_id=r[ITEM_ID], dataset=r[DATASET], reason=first["reason"],
+                                  stage=first["stage"], source_path=r[schema.SOURCE_PATH],
+                                  split=r[schema.SPLIT], detail=detail, stamp=r[STAMP]).to_dict())
+        return out
 
 
 def _embed_here(run: _Run, todo: pa.Table) -> Iterator[dict[str, np.ndarray]]:
@@ -450,9 +544,12 @@ def _counted(batches: Iterator, bar: console.Progress) -> Iterator:
         yield batch
 
 
-def _create_index(run: _Run, todo: pa.Table, reject_log, bar: console.Progress) -> pa.Table:
-    """IVF: embed a seeded sample, train on it and commit it; flat: created by the first commit."""
-    expected = run.cfg.embed.expected_items or len(todo)
+def _create_index(run: _Run, shared: _SharedImages, count: int, reject_log,
+                  bar: console.Progress) -> pa.Table:
+    """IVF: embed a seeded sample of the distinct images, train on it and commit it (with the rows sharing
+    those images); flat: created by the first commit. Returns the images left to embed."""
+    todo = shared.images
+    expected = run.cfg.embed.expected_items or count
     plan = plan_index(run.cfg.index, expected, run.dim)
     log.info("new index %s: %s for %d items", run.index_uri, plan.factory, expected)
     if plan.index_type == "flat":
@@ -466,7 +563,7 @@ def _create_index(run: _Run, todo: pa.Table, reject_log, bar: console.Progress) 
         raise CatalogueError(f"no image of the training sample of {run.catalogue} could be decoded; "
                              f"see {run.report.rejects_uri}")
     _new_index(run, embedding_matrix(table), expected)
-    _commit_stream(run, iter([table]))
+    _commit_stream(run, shared.rows(run, iter([table])))
     return without(todo, sample[ITEM_ID].combine_chunks())[0]
 
 
@@ -480,7 +577,7 @@ def _stream(run: _Run, refs: pa.Table, reject_log) -> Iterator[dict[str, np.ndar
     use_gpu = cfg.embed.use_gpu and resources.get("GPU", 0) > 0 and cfg.embed.runtime == "torch"
     _warn_if_actors_take_every_cpu(cfg, resources.get("CPU", 0.0))
     rows = cfg.data.decode_batch_size
-    blocks = [refs.slice(i, rows) for i in range(0, len(refs), rows)]  # one decode task each
+    blocks = [plain(refs.slice(i, rows)) for i in range(0, len(refs), rows)]  # one decode task each
     decode = functools.partial(read_and_decode, view=run.view, storage_cfg=storage.current_config(),
                                reject_log=reject_log)
     # from_blocks: the blocks' metadata computed here; from_arrow runs one Ray task per block for it

@@ -41,14 +41,15 @@ from puma.index.table import (
     METADATA,
     ROLE,
     STAMP,
-    read_columns,
     read_rows,
 )
-from puma.inference.embedder import fingerprint, read_image_bytes
+from puma.inference.catalogue import DICTIONARY, plain
+from puma.inference.embedder import fingerprint, read_image_bytes, share_images
 
 log = logging.getLogger(__name__)
-STATE_COLUMNS = [INDEX_ID, ITEM_ID, CATALOGUE, STAMP, FINGERPRINT, METADATA, LABEL, DATASET, CLASS_NAME, ROLE]
+KEY_COLUMNS = [INDEX_ID, ITEM_ID, CATALOGUE, ROLE]  # what a plan holds of every live row
 DESCRIBED_BY = (METADATA, LABEL, DATASET, CLASS_NAME)  # an item's columns besides its image
+COMPARED = [INDEX_ID, STAMP, FINGERPRINT, *DESCRIBED_BY]  # read shard by shard for the known items
 
 
 @dataclass
@@ -71,58 +72,143 @@ class Plan:
         return 0 if self.restamped is None else len(self.restamped)
 
 
-def live_items(uri: str, manifest: Manifest | None) -> pa.Table:
-    """STATE_COLUMNS of every live row of the index (removed rows left out; none without a manifest)."""
-    parts = [_live(uri, shard) for shard in manifest.shards] if manifest is not None else []
+@dataclass
+class LiveItems:
+    """The index's live rows as keys (KEY_COLUMNS; catalogue and role dictionary-encoded): a plan reads
+    their other columns shard by shard, only for the items the catalogue still lists."""
+
+    uri: str
+    manifest: Manifest | None
+    keys: pa.Table
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def where(self, mask: pa.ChunkedArray | pa.Array) -> LiveItems:
+        """The rows where ``mask`` is True."""
+        return LiveItems(self.uri, self.manifest, self.keys.filter(mask))
+
+
+def live_items(uri: str, manifest: Manifest | None) -> LiveItems:
+    """KEY_COLUMNS of every live row of the index, shard by shard (removed rows left out; none without a
+    manifest): about 30 bytes a row besides the item id."""
+    parts = [_live_keys(uri, shard) for shard in manifest.shards] if manifest is not None else []
     if not parts:
-        return pa.table({c: pa.array([], pa.int64() if c in (INDEX_ID, LABEL) else pa.string())
-                         for c in STATE_COLUMNS})
-    return pa.concat_tables(parts, promote_options="permissive")
+        empty = pa.table({c: pa.array([], pa.int64() if c == INDEX_ID else pa.string()) for c in KEY_COLUMNS})
+        return LiveItems(uri, manifest, empty)
+    return LiveItems(uri, manifest, pa.concat_tables(parts, promote_options="permissive"))
 
 
-def _live(uri: str, shard: ShardEntry) -> pa.Table:
-    table = read_columns(_embeddings(uri, shard), STATE_COLUMNS, missing_ok=True)
-    table = table.set_column(table.schema.get_field_index(LABEL), LABEL, table[LABEL].cast(pa.int64()))
-    for c in (CATALOGUE, STAMP, FINGERPRINT, METADATA, DATASET, CLASS_NAME, ROLE):
-        table = table.set_column(table.schema.get_field_index(c), c, table[c].cast(pa.string()))
+def _live_keys(uri: str, shard: ShardEntry) -> pa.Table:
+    """A shard's live rows' KEY_COLUMNS, the repeated ones dictionary-encoded as read."""
+    import pyarrow.parquet as pq
+
+    where = _embeddings(uri, shard)
+    fs, path = storage.resolve(where)
+
+    def _read() -> pa.Table:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f, read_dictionary=[CATALOGUE, ROLE])
+            return pf.read(columns=[c for c in KEY_COLUMNS if c in pf.schema_arrow.names])
+
+    table = storage.call("reading", where, _read)
+    columns = {}
+    for c in KEY_COLUMNS:
+        values = table[c] if c in table.column_names else pa.nulls(len(table), pa.string())
+        kind = pa.int64() if c == INDEX_ID else pa.string() if c == ITEM_ID else DICTIONARY
+        columns[c] = values.cast(kind)
+    table = pa.table(columns)
     if not shard.removed_count:
         return table
     return table.filter(pa.array(live_rows(uri, shard)))
 
 
-def plan(refs: pa.Table, catalogue: str, live: pa.Table) -> Plan:
-    """Compare the catalogue's references with the index's live rows (reads only stamp-changed images)."""
-    mine = live.filter(pc.equal(live[CATALOGUE], catalogue))
-    others = live.filter(pc.invert(pc.equal(live[CATALOGUE], catalogue).fill_null(False)))
-    refs, rejects = _without_taken(refs, others, catalogue)
-    row_of = pc.index_in(refs[ITEM_ID], value_set=mine[ITEM_ID])  # each ref's row in `mine`, or null
-    known = row_of.is_valid().to_numpy(zero_copy_only=False)
-    stored = mine.take(pc.fill_null(row_of, 0)) if len(mine) else None
-    same_stamp = _equal(refs[STAMP], stored[STAMP]) & known if stored is not None else known
-    same_desc = _same_description(refs, stored) if stored is not None else known
-    check = known & ~same_stamp  # read + hash these, compare with the stored fingerprint
-    same_bytes = same_stamp.copy()
+def plan(refs: pa.Table, catalogue: str, live: LiveItems) -> Plan:
+    """Compare the catalogue's references with the index's live rows (reads only stamp-changed images).
+
+    Columnar: one hash join of the references' item ids with the live keys; the stored stamps and
+    descriptions of the items found are read shard by shard and compared; Python objects only for the
+    items that changed."""
+    keys = live.keys
+    mine = pc.equal(keys[CATALOGUE], catalogue).fill_null(False).to_numpy(zero_copy_only=False)
+    row = pc.index_in(refs[ITEM_ID], value_set=keys[ITEM_ID]).fill_null(-1).to_numpy(zero_copy_only=False)
+    taken = (row >= 0) & ~mine[np.maximum(row, 0)] if len(keys) else np.zeros(len(refs), bool)
+    rejects = _taken_rejects(refs, taken, keys, row, catalogue) if taken.any() else []
+    if taken.any():
+        refs, row = refs.filter(pa.array(~taken)), row[~taken]
+    known = row >= 0
+    stored = _compare(refs, keys[INDEX_ID].to_numpy(), row, live)
+    check = known & ~stored.same_stamp  # read + hash these, compare with the stored fingerprint
+    same_bytes = stored.same_stamp.copy()
     if check.any():
-        same_bytes[check] = _hash_equal(refs.filter(pa.array(check)), stored.filter(pa.array(check)))
+        same_bytes[check] = _hash_equal(refs.filter(pa.array(check)), stored.prints)
     changed = known & ~same_bytes
-    restamp = known & same_bytes & ~(same_stamp & same_desc)
-    gone = pc.invert(pc.is_in(mine[ITEM_ID], value_set=refs[ITEM_ID])).to_numpy(zero_copy_only=False)
+    restamp = known & same_bytes & ~(stored.same_stamp & stored.same_desc)
+    matched = np.zeros(len(keys), bool)
+    matched[row[known]] = True
+    gone = mine & ~matched
     new = ~known
     result = Plan(embed=pa.concat_tables([refs.filter(pa.array(new)), refs.filter(pa.array(changed))]),
                   new=int(new.sum()), changed=int(changed.sum()),
-                  removed=mine[INDEX_ID].to_numpy()[gone].astype(np.int64),
-                  unchanged=int((known & same_bytes & same_stamp & same_desc).sum()), indexed=len(mine),
-                  hashed=int(check.sum()),
-                  rejects=rejects)
-    if stored is not None:
-        old = stored[INDEX_ID].to_numpy(zero_copy_only=False)
-        ids = refs[ITEM_ID].to_pylist()
-        result.replaced = {ids[i]: int(old[i]) for i in np.flatnonzero(changed | restamp)}
-        result.restamped = _restamp_source(refs.filter(pa.array(restamp)), stored.filter(pa.array(restamp)))
+                  removed=keys[INDEX_ID].to_numpy()[gone].astype(np.int64),
+                  unchanged=int((known & same_bytes & stored.same_stamp & stored.same_desc).sum()),
+                  indexed=int(mine.sum()), hashed=int(check.sum()), rejects=rejects)
+    again = np.flatnonzero(changed | restamp)
+    if len(again):
+        ids = refs[ITEM_ID].take(pa.array(again)).to_pylist()
+        result.replaced = dict(zip(ids, stored.index_id[again].tolist(), strict=True))
+    result.restamped = _restamp_source(refs, stored.index_id, restamp)
     log.info("catalogue %s: %d new, %d changed, %d restamped, %d removed, %d unchanged (%d image(s) read to "
              "compare)", catalogue, result.new, result.changed, result.restamp_count, len(result.removed),
              result.unchanged, result.hashed)
     return result
+
+
+@dataclass
+class _Stored:
+    """For each reference: its item's global id (-1 when new), whether the stored stamp and description
+    are the listed ones; and the stored fingerprints of those whose stamp differs (in order)."""
+
+    index_id: np.ndarray
+    same_stamp: np.ndarray
+    same_desc: np.ndarray
+    prints: list
+
+
+def _compare(refs: pa.Table, index_ids: np.ndarray, row: np.ndarray, live: LiveItems) -> _Stored:
+    """Read the compared columns of the known references' rows, one shard at a time, and compare."""
+    n = len(refs)
+    out = _Stored(np.full(n, -1, np.int64), np.zeros(n, bool), np.zeros(n, bool), [])
+    known = np.flatnonzero(row >= 0)
+    if not len(known):
+        return out
+    out.index_id[known] = index_ids[row[known]]
+    shards = live.manifest.shards
+    starts = np.array([s.id_start for s in shards], dtype=np.int64)
+    shard_of = np.searchsorted(starts, out.index_id[known], side="right") - 1
+    order = np.argsort(shard_of, kind="stable")
+    bounds = np.searchsorted(shard_of[order], np.arange(len(shards) + 1))
+    prints: dict[int, str | None] = {}
+    for i, shard in enumerate(shards):
+        mine = known[order[bounds[i]:bounds[i + 1]]]  # references whose row is in this shard
+        if len(mine):
+            rows = out.index_id[mine] - shard.id_start
+            stored = read_rows(_embeddings(live.uri, shard), rows, COMPARED, missing_ok=True)
+            _compare_shard(refs, mine, stored, out, prints)
+    out.prints = [prints[i] for i in np.flatnonzero((row >= 0) & ~out.same_stamp)]
+    return out
+
+
+def _compare_shard(refs: pa.Table, rows: np.ndarray, stored: pa.Table, out: _Stored, prints: dict) -> None:
+    """Compare the references ``rows`` with their stored rows (in the same order)."""
+    listed = refs.select([STAMP, *DESCRIBED_BY]).take(pa.array(rows))
+    same_stamp = _equal(listed[STAMP], stored[STAMP])
+    out.same_stamp[rows] = same_stamp
+    out.same_desc[rows] = _same_description(listed, stored)
+    if not same_stamp.all():
+        differ = np.flatnonzero(~same_stamp)
+        old = stored[FINGERPRINT].cast(pa.string()).take(pa.array(differ)).to_pylist()
+        prints.update(zip(rows[differ].tolist(), old, strict=True))
 
 
 def restamped_rows(uri: str, manifest: Manifest, plan_: Plan) -> pa.Table | None:
@@ -165,13 +251,11 @@ def reject_rows(refs: pa.Table, item_ids: list[str], reason: str, detail: str) -
                    source_path=r["source_path"], detail=detail).to_dict() for r in chosen.to_pylist()]
 
 
-def _without_taken(refs: pa.Table, others: pa.Table, catalogue: str) -> tuple[pa.Table, list[dict]]:
-    """References whose item id another catalogue has indexed are left out and listed as rejects."""
-    taken = pc.is_in(refs[ITEM_ID], value_set=others[ITEM_ID]) if len(others) else None
-    if taken is None or not pc.any(taken).as_py():
-        return refs, []
-    clash = refs.filter(taken)
-    owner = others.take(pc.index_in(clash[ITEM_ID], value_set=others[ITEM_ID]))[CATALOGUE].to_pylist()
+def _taken_rejects(refs: pa.Table, taken: np.ndarray, keys: pa.Table, row: np.ndarray, catalogue: str
+                   ) -> list[dict]:
+    """A reject for each reference whose item id another catalogue has indexed (the plan leaves it out)."""
+    clash = refs.filter(pa.array(taken))
+    owner = keys[CATALOGUE].take(pa.array(row[taken])).to_pylist()
     rejects = []
     for ref, where in zip(clash.to_pylist(), owner, strict=True):
         rejects.append(Reject(item_id=ref[ITEM_ID], dataset=ref[DATASET], reason="duplicate_item_id",
@@ -184,7 +268,7 @@ def _without_taken(refs: pa.Table, others: pa.Table, catalogue: str) -> tuple[pa
 
 def _equal(a: pa.ChunkedArray, b: pa.ChunkedArray) -> np.ndarray:
     """Element-wise equality of two string columns, nulls equal to nothing."""
-    return pc.equal(a, b).fill_null(False).to_numpy(zero_copy_only=False)
+    return pc.equal(a.cast(pa.string()), b.cast(pa.string())).fill_null(False).to_numpy(zero_copy_only=False)
 
 
 def _same_description(refs: pa.Table, stored: pa.Table) -> np.ndarray:
@@ -201,18 +285,20 @@ def _same_description(refs: pa.Table, stored: pa.Table) -> np.ndarray:
     return same
 
 
-def _hash_equal(refs: pa.Table, stored: pa.Table) -> np.ndarray:
-    """Read each image (not decode) and compare its sha256 with the stored fingerprint."""
-    data = read_image_bytes(refs)
+def _hash_equal(refs: pa.Table, old: list) -> np.ndarray:
+    """Read each distinct image once (not decode) and compare its sha256 with the stored fingerprint."""
+    images, rows = share_images(refs)
+    data = read_image_bytes(images)
     prints = [None if isinstance(d, Exception) or not d else fingerprint(bytes(d)) for d in data]
-    old = stored[FINGERPRINT].to_pylist()
-    return np.array([p is not None and p == o for p, o in zip(prints, old, strict=True)], dtype=bool)
+    now = [prints[i] for i in rows.tolist()]
+    return np.array([p is not None and p == o for p, o in zip(now, old, strict=True)], dtype=bool)
 
 
-def _restamp_source(refs: pa.Table, stored: pa.Table) -> pa.Table:
+def _restamp_source(refs: pa.Table, index_id: np.ndarray, restamp: np.ndarray) -> pa.Table:
     """Global id of each restamped item's row, with the listing's stamp and description columns."""
-    return pa.table({INDEX_ID: stored[INDEX_ID], ITEM_ID: refs[ITEM_ID], STAMP: refs[STAMP],
-                     **{c: refs[c] for c in DESCRIBED_BY}})
+    chosen = plain(refs.filter(pa.array(restamp)))
+    return pa.table({INDEX_ID: pa.array(index_id[restamp]), ITEM_ID: chosen[ITEM_ID], STAMP: chosen[STAMP],
+                     **{c: chosen[c] for c in DESCRIBED_BY}})
 
 
 def _embeddings(uri: str, shard: ShardEntry) -> str:
