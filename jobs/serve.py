@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
+
+if TYPE_CHECKING:
+    from puma.serve.plan import ServicePlan
 
 
 @job_main
@@ -25,22 +29,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = job_parser(__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="check the index, checkpoint and model id, print what would be served, exit")
+    args = parser.parse_args(argv)
+    if not (args.check or args.help_config or args.print_config):
+        from puma.serve.run import plan_apart
+
+        # config, storage preflight, index and checkpoint checked in a child process: what only the
+        # checks load (torch, the checkpoint) leaves with it, and this process, alive as long as the
+        # service, stays small
+        return serve(plan_apart(args.config, args.overrides, args.verbose))
     args, cfg = parse_job_args(parser, argv)
     if cfg is None:
         return 0
     from puma import storage
     from puma.serve.plan import plan_service
-    from puma.serve.run import start_service, stop_service, wait_for_signal
 
     storage.preflight(cfg.storage, inputs=[cfg.index.uri])  # endpoint, credentials, bucket: before Ray
+    plan = plan_service(cfg)
+    print(f"[puma] ok: index {plan.cfg.index.uri} ({plan.manifest.total} items, model "
+          f"{plan.model_id or '(none recorded)'}), checkpoint {plan.checkpoint or '(image queries off)'}")
+    print(f"[puma] {plan.partitions_reason}")
+    return 0
 
-    if args.check:
-        plan = plan_service(cfg)
-        print(f"[puma] ok: index {plan.cfg.index.uri} ({plan.manifest.total} items, model "
-              f"{plan.model_id or '(none recorded)'}), checkpoint {plan.checkpoint or '(image queries off)'}")
-        print(f"[puma] {plan.partitions_reason}")
-        return 0
-    service = start_service(cfg)
+
+def serve(plan: ServicePlan) -> int:
+    """Start the service of a checked plan, print where it answers, wait for Ctrl-C or SIGTERM."""
+    from puma.serve.run import start_service, stop_service, wait_for_signal
+
+    service = start_service(plan.cfg, plan)
     try:
         s, index = service.plan.cfg.serve, service.plan.cfg.index
         print(f"[puma] search service on {service.ray}: {service.url}  (the page; POST {service.url}search, "

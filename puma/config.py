@@ -491,8 +491,8 @@ class IndexConfig:
     on_disk: str = "auto"  # serving: IVF lists memory-mapped from a local file (FAISS on-disk lists, same
     # results): always | never | auto: when a replica's share of the index is estimated above
     # serve.index_replica_memory_gb (decided at service start; elsewhere above index.memory_budget_gb)
-    cache_dir: str = ""  # serving: local folder for each replica's memory-mapped hit columns and on-disk
-    # lists (about the index's Parquet size uncompressed); '' = the system temp folder
+    cache_dir: str = ""  # serving: local folder for each replica's column files (hit fields and embeddings,
+    # about the index's Parquet size uncompressed) and on-disk lists; '' = the system temp folder
 
     def __post_init__(self) -> None:
         _check_choice("index.index_type", self.index_type, INDEX_TYPES)
@@ -544,6 +544,9 @@ class EmbedConfig:
     # the job's own process with the model it loads anyway (no Ray Data pipeline to start); 0: never
     actor_resources: dict = field(default_factory=dict)  # custom Ray resources per embedding actor, e.g.
     # {embed_slot: 1} with one slot per node: one actor per node
+    stamp_column: str = ""  # a table catalogue's column that changes whenever a row's image does (an ETag,
+    # a version id, updated_at): the image's stamp, no storage request; '' (or an empty cell) = the image's
+    # size and write time from its store. Switching it reads every image once to compare
 
     def __post_init__(self) -> None:
         _check_custom_resources("embed.actor_resources", self.actor_resources)

@@ -1,6 +1,7 @@
 """The FAISS calls in one place: build, train (GPU k-means when FAISS sees GPUs), (de)serialise, tune,
 search restricted to a set of ids (``id_selector``; FAISS GPU indexes ignore selectors, so restricted
-searches run on CPU copies of the shards).
+searches run on CPU copies of the shards), inverted lists moved to a memory-mapped file
+(``lists_on_disk``).
 
 Only this module imports faiss, and only inside the functions that call it, so importing
 ``puma.index`` does not load faiss (Ray Data decode workers import ``puma.index.table`` for its
@@ -113,6 +114,53 @@ def to_search_device(index: faiss.Index, use_gpu: bool) -> tuple[faiss.Index, bo
         return index, False
 
 
+def lists_on_disk(index: faiss.Index, path: str) -> bool:
+    """Move a CPU IVF index's inverted lists into a memory-mapped file at ``path`` (FAISS
+    OnDiskInvertedLists; the same codes and ids in the same order, so searches give identical results);
+    the in-memory lists are freed. False (nothing done) for flat indexes."""
+    import faiss
+
+    ivf = ivf_of(index)
+    if ivf is None:
+        return False
+    on_disk = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, path)
+    lists = faiss.InvertedListsPtrVector()
+    lists.push_back(ivf.invlists)
+    on_disk.merge_from_multiple(lists.data(), lists.size(), False, False)
+    ivf.replace_invlists(on_disk, True)  # the index owns (and frees) the on-disk lists; the old are freed
+    on_disk.this.disown()
+    return True
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps what loading freed, e.g. the many small list
+    buffers of lists moved to disk, in its per-thread arenas otherwise)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def stacked_lists(trained: faiss.Index, shards: list[faiss.Index]) -> tuple[faiss.IndexIVF, tuple]:
+    """One IVF index over the CPU IVF shards' inverted lists, read in place (FAISS HStackInvertedLists:
+    its list l is the shards' lists l one after another), so one ``search_preassigned`` scans every shard
+    as one index holding all their vectors in shard order would. Returns it and what must outlive it."""
+    import faiss
+
+    view = faiss.clone_index(trained)  # the empty trained index: its quantizer and parameters
+    ivf = ivf_of(view)
+    lists = faiss.InvertedListsPtrVector()
+    for shard in shards:
+        lists.push_back(ivf_of(shard).invlists)
+    stacked = faiss.HStackInvertedLists(len(shards), lists.data())
+    ivf.replace_invlists(stacked, False)
+    ivf.ntotal = sum(shard.ntotal for shard in shards)
+    return ivf, (view, stacked, list(shards))
+
+
 def set_nprobe(index: faiss.Index, nprobe: int, on_gpu: bool) -> None:
     """Lists visited per query for IVF indexes (no-op for flat)."""
     import faiss
@@ -125,10 +173,16 @@ def set_nprobe(index: faiss.Index, nprobe: int, on_gpu: bool) -> None:
 
 def id_selector(allowed: np.ndarray) -> faiss.IDSelector:
     """A FAISS selector of the global ids whose entry in the bool mask ``allowed`` (N,) is True."""
+    bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # (ceil(N/8),) uint8
+    return bitmap_selector(bits)
+
+
+def bitmap_selector(bits: np.ndarray) -> faiss.IDSelector:
+    """A FAISS selector of the global ids whose bit is set in ``bits`` (little-endian packed uint8)."""
     import faiss
 
-    bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # (ceil(N/8),) uint8
-    selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
+    bits = np.ascontiguousarray(bits, dtype=np.uint8)
+    selector = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its n: the bitmap's bytes
     selector.referenced_objects = [bits]  # the bitmap must live as long as the selector
     return selector
 
@@ -153,17 +207,18 @@ def search(index: faiss.Index, q: np.ndarray, k: int,
 def search_preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, lists: np.ndarray,
                        coarse_scores: np.ndarray,
                        selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Scan the given lists (Q, nprobe) of an IVF index; only ids the selector allows."""
+    """Scan the given lists (Q, nprobe) of an IVF index; only ids the selector allows. The probe count
+    travels with the call (the index's own nprobe is not read, so concurrent searches may differ)."""
     import faiss
 
-    if selector is None:
-        return ivf.search_preassigned(q, k, lists, coarse_scores)
     n = len(q)  # the Python wrapper refuses params here, so call the C++ method with them
     q = np.ascontiguousarray(q, dtype=np.float32)
     scores, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
     lists = np.ascontiguousarray(lists, dtype=np.int64)  # (n, nprobe)
     coarse_scores = np.ascontiguousarray(coarse_scores, dtype=np.float32)  # (n, nprobe)
-    params = faiss.SearchParametersIVF(sel=selector, nprobe=lists.shape[1])
+    params = faiss.SearchParametersIVF(nprobe=lists.shape[1])
+    if selector is not None:
+        params.sel = selector
     ivf.search_preassigned_c(n, faiss.swig_ptr(q), k, faiss.swig_ptr(lists), faiss.swig_ptr(coarse_scores),
                              faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params)
     return scores, ids

@@ -1,9 +1,10 @@
 """Search every shard of an index and merge their top-k into the global top-k.
 
 IVF shards share one trained coarse quantizer, so on CPU the queries are assigned to their
-``nprobe`` nearest lists once and every shard scans those lists (``search_preassigned``); the
-result equals searching one IVF index holding all the vectors. On GPU each shard is searched
-whole. Flat shards are exact, so the merged result equals one exact index over all vectors.
+``nprobe`` nearest lists once and those lists of every shard are scanned in one call, through one IVF
+index whose lists stack the shards' lists in place (``backend.stacked_lists``); the result equals
+searching one IVF index holding all the vectors. On GPU each shard is searched whole. Flat shards
+are exact, so the merged result equals one exact index over all vectors.
 
 Missing results (fewer than k candidates in the probed lists) come back as id -1 / item id ''
 with score -inf (ip) or +inf (l2).
@@ -12,20 +13,31 @@ with score -inf (ip) or +inf (l2).
 selectors, e.g. one dataset's gallery in evaluation. FAISS GPU indexes ignore selectors, so an
 index opened on GPU with ``keep_cpu=True`` runs restricted searches (and k above the GPU limit) on
 its CPU copies; without them such a search is refused.
+
+Loading: shards load in parallel threads (reading, checksums, FAISS deserialisation and Parquet decoding
+release the GIL). Beside its FAISS index each shard keeps an item-id hash lookup (``puma.index.lookup``:
+about 12 bytes per item), some stored columns in memory (``Holding.columns``, compact Arrow) and others
+in a local column file read a few rows at a time (``Holding.file_columns``, ``puma.index.cache``);
+``Holding.lists_on_disk`` moves IVF shards' inverted lists to memory-mapped files in the same local
+folder (identical results; page cache instead of heap).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from puma import storage
 from puma.index import backend
+from puma.index.cache import ColumnFile, LocalCache, read_compact
+from puma.index.lookup import IdLookup, hash_id, hash_ids
 from puma.index.manifest import (
     FileEntry,
     IndexIntegrityError,
@@ -44,6 +56,36 @@ if TYPE_CHECKING:
     import faiss
 
 log = logging.getLogger(__name__)
+LOAD_THREADS = 8  # shards loaded at once (at most the CPU count)
+_GPU_LOCK = threading.Lock()  # copies to GPUs one at a time
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Rows a restricted search may return, as FAISS wants them: a bitmap over global ids."""
+
+    bits: np.ndarray  # (ceil(size/8),) uint8, little-endian bit order
+    size: int  # global ids covered
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How loaded shards are held besides their FAISS index: the stored columns kept in memory
+    (``columns``) and those written to a local column file in ``cache`` and read by row
+    (``file_columns``; item_id is in one of them), their types (``schema``, see
+    ``puma.index.cache.compact_table``), and whether IVF lists go to memory-mapped files in ``cache``."""
+
+    columns: tuple[str, ...] = (ITEM_ID,)
+    file_columns: tuple[str, ...] = ()
+    schema: pa.Schema | None = None
+    cache: LocalCache | None = None
+    lists_on_disk: bool = False
+
+    def __post_init__(self) -> None:
+        if ITEM_ID not in self.columns + self.file_columns:
+            object.__setattr__(self, "columns", (ITEM_ID, *self.columns))
+        if (self.lists_on_disk or self.file_columns) and self.cache is None:
+            raise IndexInputError("column files and lists on disk need a local cache folder (Holding.cache)")
 
 
 def merge_topk(scores: list[np.ndarray], ids: list[np.ndarray], k: int,
@@ -71,9 +113,9 @@ class ShardedIndex:
 
     def __init__(self, uri: str, manifest: Manifest, trained: faiss.Index, loaded: list[LoadedShard],
                  on_gpu: bool, nprobe: int, query_chunk: int = 65536, keep_cpu: bool = False,
-                 use_gpu: bool = False) -> None:
+                 use_gpu: bool = False, holding: Holding = Holding()) -> None:
         self.uri, self.manifest, self.on_gpu = uri, manifest, on_gpu
-        self.nprobe, self.query_chunk, self.use_gpu = nprobe, query_chunk, use_gpu
+        self.nprobe, self.query_chunk, self.use_gpu, self.holding = nprobe, query_chunk, use_gpu, holding
         self._trained = trained  # owns the shared coarse quantizer
         ivf = backend.ivf_of(trained)
         self._cpu_coarse = ivf.quantizer if ivf is not None else None  # preassigned search on CPU
@@ -83,22 +125,28 @@ class ShardedIndex:
         self._shards = [s.index for s in loaded]
         cpu_copies = [s.cpu_index for s in loaded] if keep_cpu else None
         self._cpu_shards = self._shards if not on_gpu else cpu_copies
-        self._item_ids = _concat([s.item_ids for s in loaded])  # (N,) item id of each row, null: removed
+        self._stacked, self._stacked_refs = None, None  # the CPU shards' IVF lists as one index
+        if ivf is not None and self._cpu_shards:
+            self._stacked, self._stacked_refs = backend.stacked_lists(trained, self._cpu_shards)
         self._starts = np.array([s.entry.id_start for s in loaded], dtype=np.int64)  # first global id
-        self._offsets = np.cumsum([0] + [s.entry.count for s in loaded])[:-1].astype(np.int64)  # first row
+        counts = [s.entry.count for s in loaded]
+        self._offsets = np.cumsum([0] + counts)[:-1].astype(np.int64)  # first row of each shard
+        self._ntotal = int(sum(counts))
         self._gapless = bool(np.array_equal(self._starts, self._offsets))
-        self.live = self._item_ids.is_valid().to_numpy(zero_copy_only=False)  # (N,) bool
+        self.live = np.concatenate([s.live for s in loaded]) if loaded else np.zeros(0, bool)  # (N,) bool
         self.live_total = int(self.live.sum())
 
     @classmethod
     def open(cls, uri: str, nprobe: int = 16, use_gpu: bool = True, check: bool = False,
              query_chunk: int = 65536, keep_cpu: bool = False,
-             manifest: Manifest | None = None) -> ShardedIndex:
-        """Load every committed shard (checksums checked as loaded; ``check`` runs a full verify).
+             manifest: Manifest | None = None, holding: Holding = Holding()) -> ShardedIndex:
+        """Load every committed shard, in parallel (checksums checked as loaded; ``check`` runs a full
+        verify).
 
         ``uri`` may be an index location with versions: its live version is opened.
         ``keep_cpu``: on GPU, also keep the CPU shards for restricted (``allowed``) searches.
         ``manifest``: the shards to load (e.g. one partition's, puma.serve.partitions), default all.
+        ``holding``: the stored columns kept per shard, where, and whether IVF lists go on disk.
         """
         from puma.index.versions import resolve
 
@@ -108,47 +156,51 @@ class ShardedIndex:
         manifest = manifest or read_manifest(uri)
         if not manifest.shards:
             raise IndexInputError(f"index {uri} has no shards yet; add items before searching")
-        trained = backend.deserialize(_read_checked(uri, manifest.trained))
-        loaded = [_load_shard(uri, entry, use_gpu, keep_cpu) for entry in manifest.shards]
+        with ThreadPoolExecutor(1) as pool:
+            trained = pool.submit(lambda: backend.deserialize(_read_checked(uri, manifest.trained)))
+            loaded = _load_shards(uri, manifest.shards, use_gpu, keep_cpu, holding, {})
+            trained = trained.result()
         on_gpu = any(s.on_gpu for s in loaded)
-        return cls(uri, manifest, trained, loaded, on_gpu, nprobe, query_chunk, keep_cpu, use_gpu)
+        return cls(uri, manifest, trained, loaded, on_gpu, nprobe, query_chunk, keep_cpu, use_gpu, holding)
 
     def refreshed(self, manifest: Manifest | None = None) -> ShardedIndex:
         """This index as ``manifest`` says it is now, loading only the shards that are new or whose
-        removals changed (itself when nothing did). Another trained index (a rebuild) opens anew."""
+        removals changed (itself when nothing did; a shard whose removals changed keeps its columns and
+        id lookup). Another trained index (a rebuild) opens anew."""
         manifest = manifest or read_manifest(self.uri)
         keep_cpu = self._cpu_shards is not None and self.on_gpu
         if manifest.trained.sha256 != self.manifest.trained.sha256:
             return ShardedIndex.open(self.uri, self.nprobe, self.use_gpu, query_chunk=self.query_chunk,
-                                     keep_cpu=keep_cpu)
+                                     keep_cpu=keep_cpu, holding=self.holding)
         if [_fingerprint(s) for s in manifest.shards] == [_fingerprint(s) for s in self.manifest.shards]:
             return self
         have = {_fingerprint(s.entry): s for s in self._loaded}
-        loaded = [have.get(_fingerprint(e)) or _load_shard(self.uri, e, self.on_gpu, keep_cpu)
-                  for e in manifest.shards]
+        new = [e for e in manifest.shards if _fingerprint(e) not in have]
+        same_rows = {s.entry.embeddings.sha256: s for s in self._loaded}  # removals do not change rows
+        fresh = {_fingerprint(s.entry): s
+                 for s in _load_shards(self.uri, new, self.on_gpu, keep_cpu, self.holding, same_rows)}
+        loaded = [have.get(_fingerprint(e)) or fresh[_fingerprint(e)] for e in manifest.shards]
         return ShardedIndex(self.uri, manifest, self._trained, loaded, self.on_gpu, self.nprobe,
-                            self.query_chunk, keep_cpu, self.use_gpu)
-
-    def columns_by_shard(self, columns: list[str], cache: dict) -> tuple[pa.Table, dict]:
-        """``table(columns, missing_ok=True)``, reading only shards absent from ``cache`` (shard
-        fingerprint -> its columns); returns the table and the cache of this index's shards."""
-        fresh = {}
-        for shard in self._loaded:
-            key = (shard.entry.name, shard.entry.embeddings.sha256)  # removals do not change the columns
-            fresh[key] = cache[key] if key in cache else read_columns(
-                _path(self.uri, shard.entry.embeddings), columns, missing_ok=True)
-        parts = list(fresh.values())
-        return pa.concat_tables(parts, promote_options="permissive").combine_chunks(), fresh
+                            self.query_chunk, keep_cpu, self.use_gpu, self.holding)
 
     def reused_shards(self, other: ShardedIndex) -> int:
         """How many of this index's loaded shards are the very objects ``other`` holds (refresh tests)."""
         theirs = {id(s) for s in other._loaded}
         return sum(id(s) in theirs for s in self._loaded)
 
+    def cache_files(self) -> set[str]:
+        """The files of ``holding.cache`` this index's shards use (columns, on-disk lists)."""
+        return {name for s in self._loaded for name in s.files}
+
+    def shard_columns(self, column: str) -> list[pa.Array]:
+        """A column held in memory (``holding.columns``) as one array per shard, in row order (removed
+        rows too)."""
+        return [s.arrays[column] for s in self._loaded]
+
     @property
     def ntotal(self) -> int:
         """Rows (the length of ``live`` and of ``allowed`` masks), removed ones included."""
-        return len(self._item_ids)
+        return self._ntotal
 
     @property
     def dim(self) -> int:
@@ -160,18 +212,28 @@ class ShardedIndex:
         return scores, self.to_item_ids(ids)
 
     def search_ids(self, queries: np.ndarray, k: int, nprobe: int | None = None,
-                   allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k over all shards as global int64 ids: (Q, E) -> (Q, k) scores, (Q, k) ids.
+                   allowed: np.ndarray | Selection | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k over all shards as rows: (Q, E) -> (Q, k) scores, (Q, k) int64 rows.
 
-        ``allowed``: bool (N,) over global ids; only those are returned (-1 pads when fewer than k).
+        ``allowed``: bool (N,) over rows, or its ``select``-ed form (prepared once, reused by many
+        searches); only those are returned (-1 pads when fewer than k).
         """
         q = self._check_queries(queries, k)
         selector = None
         if allowed is not None:
-            selector = backend.id_selector(self._id_mask(self._check_allowed(allowed)))
+            chosen = allowed if isinstance(allowed, Selection) else self.select(allowed)
+            if chosen.size != (self.ntotal if self._gapless else self.manifest.next_id):
+                raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
+                                      "state of the index (select again)")
+            selector = backend.bitmap_selector(chosen.bits)
         parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe or self.nprobe, selector)
                  for i in range(0, len(q), self.query_chunk)]
         return np.concatenate([p[0] for p in parts]), self._to_rows(np.concatenate([p[1] for p in parts]))
+
+    def select(self, allowed: np.ndarray) -> Selection:
+        """A bool mask (N,) over rows as a restricted search's bitmap over FAISS global ids (N/8 bytes)."""
+        mask = self._id_mask(self._check_allowed(allowed))
+        return Selection(np.packbits(mask, bitorder="little"), len(mask))
 
     def _to_rows(self, ids: np.ndarray) -> np.ndarray:
         """FAISS global ids (any shape, -1: none) -> rows (same shape, -1: none)."""
@@ -203,21 +265,24 @@ class ShardedIndex:
     def _search_chunk(self, q: np.ndarray, k: int, nprobe: int,
                       selector: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
         on_cpu = not self.on_gpu or selector is not None or k > backend.GPU_MAX_K
+        largest = self.manifest.metric == "ip"
+        if on_cpu and self._stacked is not None:  # IVF on CPU: every shard's lists in one scan
+            nprobe = min(nprobe, self.manifest.nlist)
+            coarse_scores, lists = self._cpu_coarse.search(q, nprobe)  # (Q, nprobe) each
+            scores, ids = backend.search_preassigned(self._stacked, q, k, lists, coarse_scores, selector)
+            return merge_topk([scores], [ids], k, largest)  # pads: id -1, score -inf (ip) / +inf (l2)
         shards, coarse = (self._cpu_shards, self._cpu_coarse) if on_cpu else (self._shards, self._coarse)
-        if self.manifest.nlist:  # IVF: every shard visits the same nprobe lists
+        if self.manifest.nlist:  # IVF on GPU: every shard visits the same nprobe lists
             nprobe = min(nprobe, self.manifest.nlist)
             for shard in shards:
-                if on_cpu:
-                    self._ivf(shard).nprobe = nprobe
-                else:
-                    backend.set_nprobe(shard, nprobe, True)
+                backend.set_nprobe(shard, nprobe, True)
         if coarse is None:
             results = [backend.search(shard, q, k, selector) for shard in shards]
         else:
             coarse_scores, lists = coarse.search(q, nprobe)  # (Q, nprobe) each, once for all shards
             results = [backend.search_preassigned(self._ivf(s), q, k, lists, coarse_scores, selector)
                        for s in shards]
-        return merge_topk([r[0] for r in results], [r[1] for r in results], k, self.manifest.metric == "ip")
+        return merge_topk([r[0] for r in results], [r[1] for r in results], k, largest)
 
     def _ivf(self, shard: faiss.Index) -> faiss.IndexIVF:
         """The IVF view of a CPU shard, looked up once (a SWIG call per shard and query otherwise)."""
@@ -227,6 +292,7 @@ class ShardedIndex:
         return ivf
 
     def _check_allowed(self, allowed: np.ndarray) -> np.ndarray:
+        """The mask, if it is a bool (N,) over rows and the index can search restricted."""
         mask = np.asarray(allowed)
         if mask.shape != (self.ntotal,) or mask.dtype != bool:
             raise IndexInputError(f"allowed must be a bool mask of shape ({self.ntotal},) over rows, "
@@ -253,26 +319,72 @@ class ShardedIndex:
             raise IndexInputError("queries have NaN or Inf values")
         return np.ascontiguousarray(q, dtype=np.float32)
 
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (n,) -> (the shard of each (n,), the row within it (n,))."""
+        rows = np.asarray(rows, dtype=np.int64)
+        shard = np.searchsorted(self._offsets, rows, side="right") - 1
+        return shard, rows - self._offsets[shard]
+
     def to_item_ids(self, ids: np.ndarray) -> np.ndarray:
         """Rows (any shape, -1 for none) -> item ids (same shape, '' for none or removed)."""
         flat = np.asarray(ids, dtype=np.int64).ravel()
-        names = np.array(self._item_ids.take(pa.array(np.maximum(flat, 0))).to_pylist(), dtype=object)
-        names[(flat < 0) | (names == None)] = ""  # noqa: E711 - element-wise
+        names = np.full(len(flat), "", dtype=object)
+        found = np.flatnonzero(flat >= 0)
+        found = found[self.live[flat[found]]]
+        shard, local = self.locate(flat[found])
+        for s in np.unique(shard):
+            at = shard == s
+            names[found[at]] = self._loaded[s].item_ids_at(local[at])
         return names.reshape(np.shape(ids))
+
+    def describe(self, rows: np.ndarray, columns: list[str]) -> list[dict]:
+        """Held columns (in memory or in the column file) of some rows (n,) as n dicts of Python values:
+        only those rows' fields are read (a hit list's k rows, not the columns)."""
+        shard, local = self.locate(rows)
+        loaded = self._loaded
+        return [loaded[s].values(r, columns) for s, r in zip(shard.tolist(), local.tolist(), strict=True)]
+
+    def find(self, item_id: str) -> int:
+        """The live row of one item id, -1 when the index does not hold it (a hash lookup)."""
+        h = np.uint64(hash_id(item_id))
+        for shard, offset in zip(self._loaded, self._offsets.tolist(), strict=True):
+            row = shard.ids.find(item_id, h, shard.live, shard.item_id)
+            if row >= 0:
+                return offset + row
+        return -1
 
     def lookup(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
         """Item ids -> rows (int64); raises IndexInputError naming any that are not indexed (or removed)."""
-        wanted = pa.array([str(x) for x in item_ids], type=self._item_ids.type)
-        found = pc.index_in(wanted, value_set=self._item_ids)
-        if found.null_count:
-            missing = [str(x) for x in wanted.filter(found.is_null()).to_pylist()[:10]]
-            raise IndexInputError(f"{found.null_count} item id(s) are not in index {self.uri}, "
+        wanted = [str(x) for x in item_ids]
+        hashes = hash_ids(pa.array(wanted, type=pa.string()))  # (n,)
+        rows = np.full(len(wanted), -1, dtype=np.int64)
+        for shard, offset in zip(self._loaded, self._offsets.tolist(), strict=True):
+            todo = np.flatnonzero(rows < 0)
+            if not len(todo):
+                break
+            found = shard.ids.find_many([wanted[i] for i in todo], hashes[todo], shard.live, shard.item_id)
+            rows[todo[found >= 0]] = found[found >= 0] + offset
+        if (rows < 0).any():
+            missing = [wanted[i] for i in np.flatnonzero(rows < 0)[:10]]
+            raise IndexInputError(f"{int((rows < 0).sum())} item id(s) are not in index {self.uri}, "
                                   f"e.g. {missing}")
-        return found.to_numpy().astype(np.int64)
+        return rows
+
+    def vector(self, row: int) -> np.ndarray:
+        """The stored embedding of one row (E,) float32: from the held embedding column when there is
+        one (no Parquet read), else from the shard's Parquet."""
+        shard, local = self.locate(np.array([row]))
+        loaded = self._loaded[int(shard[0])]
+        if loaded.holds(EMBEDDING):
+            return np.array(loaded.values(int(local[0]), [EMBEDDING])[EMBEDDING], dtype=np.float32)
+        return embedding_matrix(self.rows(np.array([row]), [ITEM_ID, EMBEDDING]))[0]
 
     def embeddings(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
-        """Stored embeddings of indexed items (n,) -> (n, E) float32, read from the shards' Parquet."""
-        return embedding_matrix(self.rows(self.lookup(item_ids), [ITEM_ID, EMBEDDING]))
+        """Stored embeddings of indexed items (n,) -> (n, E) float32 (see ``vector``)."""
+        rows = self.lookup(item_ids)
+        if len(rows) and all(s.holds(EMBEDDING) for s in self._loaded):
+            return np.stack([self.vector(r) for r in rows.tolist()])
+        return embedding_matrix(self.rows(rows, [ITEM_ID, EMBEDDING]))
 
     def rows(self, ids: np.ndarray, columns: list[str]) -> pa.Table:
         """Stored columns of items by row (n,), in that order; a column a shard lacks is null."""
@@ -337,37 +449,101 @@ def _fingerprint(shard: ShardEntry) -> tuple:
 
 @dataclass
 class LoadedShard:
-    """One shard in memory: its FAISS index (removed ids taken out), the CPU copy, its rows' item ids."""
+    """One shard in memory: its FAISS index (removed ids taken out), the CPU copy, its columns held in
+    memory and in a local column file, which rows are live, the item-id lookup, its cache files."""
 
     entry: ShardEntry
     index: faiss.Index
-    cpu_index: faiss.Index
-    item_ids: pa.Array  # (count,) null where removed
+    cpu_index: faiss.Index | None
+    arrays: dict[str, pa.Array]  # holding.columns -> (count,) values (removed rows keep theirs)
+    file: ColumnFile | None  # holding.file_columns
+    live: np.ndarray  # (count,) bool: False where removed
+    ids: IdLookup
     on_gpu: bool
+    files: tuple[str, ...] = ()  # names in holding.cache
+
+    def holds(self, column: str) -> bool:
+        return column in self.arrays or (self.file is not None and column in self.file.names)
+
+    def item_id(self, row: int) -> str:
+        ids = self.arrays.get(ITEM_ID)
+        return ids[row].as_py() if ids is not None else self.file.value(ITEM_ID, row)
+
+    def item_ids_at(self, rows: np.ndarray) -> list[str]:
+        ids = self.arrays.get(ITEM_ID)
+        if ids is not None:
+            return ids.take(pa.array(rows, pa.int64())).to_pylist()
+        return [self.file.value(ITEM_ID, r) for r in rows.tolist()]
+
+    def values(self, row: int, columns: list[str]) -> dict:
+        """One row's values of ``columns`` as Python objects (an embedding: float32 (E,) from the file)."""
+        held, file = self.arrays, self.file
+        return {c: held[c][row].as_py() if c in held else file.value(c, row) for c in columns}
 
 
-def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool) -> LoadedShard:
-    """A shard's index (checksum checked), less its removed ids, on the search device."""
+def _load_shards(uri: str, entries: list[ShardEntry], use_gpu: bool, keep_cpu: bool, holding: Holding,
+                 same_rows: dict[str, LoadedShard]) -> list[LoadedShard]:
+    """Load shards in parallel threads, in order (``same_rows``: loaded shards by Parquet sha256, whose
+    columns and id lookup a reload reuses)."""
+    if not entries:
+        return []
+    threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1, len(entries)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="load-shard") as pool:
+        loaded = list(pool.map(lambda e: _load_shard(uri, e, use_gpu, keep_cpu, holding,
+                                                     same_rows.get(e.embeddings.sha256)), entries))
+    pa.default_memory_pool().release_unused()  # what decoding the Parquet columns took
+    backend.trim_heap()
+    return loaded
+
+
+def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool, holding: Holding = Holding(),
+                rows_of: LoadedShard | None = None) -> LoadedShard:
+    """A shard's index (checksum checked), less its removed ids, on the search device; its columns and
+    id lookup (``rows_of``: a loaded shard of the same Parquet file to take them from)."""
     cpu_index = backend.deserialize(_read_checked(uri, entry.index))
-    item_ids = _load_item_ids(uri, entry)
+    if rows_of is not None:
+        arrays, file, ids = rows_of.arrays, rows_of.file, rows_of.ids
+        files = rows_of.files[:1] if file is not None else ()
+    else:
+        arrays, file, ids, files = _load_columns(uri, entry, holding)
     removed = removed_ids(uri, entry)  # (R,) global ids
+    live = np.ones(entry.count, dtype=bool)
     if len(removed):
         cpu_index.remove_ids(removed)
-        live = pa.array(live_rows(uri, entry, removed))  # the removed-ids file is read once
-        item_ids = pc.if_else(live, item_ids, pa.nulls(entry.count, item_ids.type))
-    index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
-    return LoadedShard(entry, index, cpu_index if keep_cpu or not on_gpu else None, item_ids, on_gpu)
+        live = live_rows(uri, entry, removed)  # the removed-ids file is read once
+    if use_gpu:
+        with _GPU_LOCK:
+            index, on_gpu = backend.to_search_device(cpu_index, use_gpu)
+    else:
+        index, on_gpu = cpu_index, False
+    kept = cpu_index if keep_cpu or not on_gpu else None
+    if kept is not None and holding.lists_on_disk:
+        name = f"{entry.index.sha256[:16]}-{entry.removed.sha256[:16] if entry.removed else 'none'}.ivfdata"
+        path = holding.cache.path(name)
+        if os.path.exists(path):  # an earlier load of this very shard: its mapping (if any) stays valid
+            os.unlink(path)
+        if backend.lists_on_disk(kept, path):
+            files = (*files, name)
+    return LoadedShard(entry, index, kept, arrays, file, live, ids, on_gpu, files)
 
 
-def _load_item_ids(uri: str, shard: ShardEntry) -> pa.Array:
-    """Item id of every row of the shard, in row order."""
-    col = read_columns(_path(uri, shard.embeddings), [ITEM_ID])[ITEM_ID]
-    if len(col) != shard.count:
-        raise IndexIntegrityError(f"{shard.name}: {len(col)} Parquet rows; manifest says {shard.count}")
-    return col.combine_chunks()
+def _load_columns(uri: str, entry: ShardEntry, holding: Holding
+                  ) -> tuple[dict[str, pa.Array], ColumnFile | None, IdLookup, tuple[str, ...]]:
+    """The shard's columns held in memory (one array each), its column file (and that file's name in
+    the cache) and its item-id lookup."""
+    names = list(dict.fromkeys((*holding.columns, *holding.file_columns)))
+    table = read_compact(_path(uri, entry.embeddings), names, holding.schema)
+    if table.num_rows != entry.count:
+        raise IndexIntegrityError(f"{entry.name}: {table.num_rows} Parquet rows; manifest says {entry.count}")
+    if table[ITEM_ID].null_count:
+        raise IndexIntegrityError(f"{entry.name}: {table[ITEM_ID].null_count} row(s) have no item id")
+    ids = IdLookup(table[ITEM_ID])
+    arrays = {c: _one_chunk(table[c]) for c in holding.columns}
+    if not holding.file_columns:
+        return arrays, None, ids, ()
+    file, name = holding.cache.column_file(entry.embeddings.sha256, table.select(list(holding.file_columns)))
+    return arrays, file, ids, (name,)
 
 
-def _concat(arrays: list[pa.Array]) -> pa.Array:
-    if not arrays:
-        return pa.array([], pa.string())
-    return pa.chunked_array(arrays, type=arrays[0].type).combine_chunks()
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()

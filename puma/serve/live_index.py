@@ -12,6 +12,15 @@ request in flight finishes on the state it started with.
 
 Hits carry item_id, score, dataset, label, class_name, catalogue, image_uri, image_row and the
 item's metadata (a catalogue table's other columns), in rank order.
+
+Memory at millions of items (a replica holds the FAISS shards plus a small, stated cost per item): each
+shard's hit columns and embeddings are written once to an Arrow IPC file in the LiveIndex's local cache
+folder (index.cache_dir; puma.index.cache), and a query reads only its k hits' fields (and an item
+query its item's vector) from it, with positioned reads: the file is page cache, not process memory.
+In memory per item: the item-id hash lookup (12 bytes), the live flag (1 byte), the dataset and
+catalogue columns for filters and stats (dictionary-encoded: 1 byte each with fewer than 128 names),
+and per cached filter one bit. With index.on_disk the IVF lists are memory-mapped from the same folder
+(FAISS on-disk inverted lists; identical results).
 """
 
 from __future__ import annotations
@@ -31,20 +40,37 @@ from PIL import Image
 
 from puma.config import IndexConfig
 from puma.data.images import ImageRejected, decode_image
+from puma.index.cache import LocalCache
 from puma.index.manifest import Manifest, has_manifest, read_manifest
 from puma.index.plan import IndexInputError
-from puma.index.search import ShardedIndex, drop_self
-from puma.index.table import CATALOGUE, CLASS_NAME, DATASET, IMAGE_ROW, IMAGE_URI, ITEM_ID, LABEL, METADATA
+from puma.index.search import Holding, Selection, ShardedIndex, drop_self
+from puma.index.table import (
+    CATALOGUE,
+    CLASS_NAME,
+    DATASET,
+    EMBEDDING,
+    IMAGE_ROW,
+    IMAGE_URI,
+    ITEM_ID,
+    LABEL,
+    METADATA,
+)
 from puma.index.versions import read_alias, version_uri
 from puma.inference.catalogue import catalogue_name
 from puma.inference.embedder import read_image_bytes
 from puma.serve.errors import RequestError
-from puma.serve.partitions import ORDER, Partition
+from puma.serve.partitions import ORDER, Partition, index_bytes
 
 log = logging.getLogger(__name__)
 HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CLASS_NAME, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA]
+_NAMES = pa.dictionary(pa.int32(), pa.string())  # few distinct values: stored once, 4 bytes a row
+HIT_SCHEMA = pa.schema([(ITEM_ID, pa.string()), (DATASET, _NAMES), (LABEL, pa.int32()), (CLASS_NAME, _NAMES),
+                        (CATALOGUE, _NAMES), (IMAGE_URI, pa.string()), (IMAGE_ROW, pa.int32()),
+                        (METADATA, pa.string())])  # int32 where the values fit (else kept int64)
+FILTER_COLUMNS = (DATASET, CATALOGUE)  # in memory: filters and stats evaluate them on every item
+ROW_COLUMNS = tuple(c for c in (*HIT_COLUMNS, EMBEDDING) if c not in FILTER_COLUMNS)  # read per hit
 THUMBNAIL_SIDE = 256
-MAX_CACHED_FILTERS = 64
+MAX_CACHED_FILTERS = 64  # filters whose selections (one bit per item each) a state keeps
 
 
 @dataclass
@@ -53,24 +79,12 @@ class State:
 
     index: ShardedIndex | None  # None while the index has no shards
     manifest: Manifest
-    meta: pa.Table  # HIT_COLUMNS in row order (removed rows included: see index.live)
     loaded_at: float = field(default_factory=time.time)
-    masks: dict = field(default_factory=dict)  # (datasets, catalogues) -> bool (N,) mask
-    _columns: dict | None = None  # HIT_COLUMNS as Python lists, made on the first search (see hit_columns)
-
-    def hit_columns(self) -> dict[str, list]:
-        """The hit columns in memory as Python lists: a hit is assembled by indexing, not by an Arrow
-        take per request (~0.1 ms a request less; costs about 50 bytes per item and column)."""
-        if self._columns is None:
-            self._columns = {c: self.meta.column(c).to_pylist() for c in HIT_COLUMNS}
-        return self._columns
+    selections: dict = field(default_factory=dict)  # (datasets, catalogues) -> (Selection, unknown names)
 
     @property
     def items(self) -> int:
         return 0 if self.index is None else self.index.live_total
-
-    def live_meta(self) -> pa.Table:
-        return self.meta if self.index is None else self.meta.filter(pa.array(self.index.live))
 
 
 class LiveIndex:
@@ -83,7 +97,7 @@ class LiveIndex:
         self.uri = uri or cfg.uri
         self.refused = ""  # why the newest manifest is not served ('' when it is)
         self._lock = threading.Lock()  # one refresh at a time
-        self._meta_cache: dict = {}  # shard fingerprint -> its HIT_COLUMNS
+        self._cache = LocalCache(cfg.cache_dir)  # this index's memory-mapped files
         manifest = read_manifest(self.uri)
         self.model_id = manifest.model_id if model_id is None else model_id
         self.state = self._load(self._checked(partition.of(manifest)), None)
@@ -121,16 +135,26 @@ class LiveIndex:
         return manifest
 
     def _load(self, manifest: Manifest, old: State | None) -> State:
-        """A state for ``manifest``, reusing the shards (and their hit columns) ``old`` already holds."""
+        """A state for ``manifest``, reusing the shards (and their columns) ``old`` already holds."""
         if not manifest.shards:
-            return State(None, manifest, pa.table({c: pa.nulls(0) for c in HIT_COLUMNS}))
+            return State(None, manifest)
         if old is None or old.index is None or old.index.manifest.trained.sha256 != manifest.trained.sha256:
+            holding = Holding(FILTER_COLUMNS, ROW_COLUMNS, HIT_SCHEMA, self._cache,
+                              lists_on_disk=self._lists_on_disk(manifest))
             index = ShardedIndex.open(self.uri, nprobe=self.cfg.nprobe, use_gpu=self.cfg.use_gpu,
-                                      query_chunk=self.cfg.query_chunk, keep_cpu=True, manifest=manifest)
+                                      query_chunk=self.cfg.query_chunk, keep_cpu=True, manifest=manifest,
+                                      holding=holding)
         else:
             index = old.index.refreshed(manifest)
-        meta, self._meta_cache = index.columns_by_shard(HIT_COLUMNS, self._meta_cache)
-        return State(index, manifest, meta)
+        self._cache.keep(index.cache_files())  # a request on an older state keeps its mappings
+        return State(index, manifest)
+
+    def _lists_on_disk(self, manifest: Manifest) -> bool:
+        """index.on_disk: always, never, or auto: when the index (partition) is estimated above
+        index.memory_budget_gb (jobs/serve.py resolves auto from serve.index_replica_memory_gb)."""
+        if self.cfg.on_disk != "auto":
+            return self.cfg.on_disk == "always"
+        return index_bytes(manifest) > self.cfg.memory_budget_gb * 1e9
 
     # ------------------------------------------------------------------------- searching
 
@@ -167,19 +191,21 @@ class LiveIndex:
 
     def vector_of(self, item_id: str) -> np.ndarray | None:
         """An indexed item's stored embedding (E,), None when this index (partition) does not hold it."""
-        state = self._holder(item_id)  # one state for the check and the read: a refresh may come between
-        return None if state is None else state.index.embeddings([item_id])[0]
+        state = self.state  # one state for the check and the read: a refresh may come between
+        row = self._row(state, item_id)
+        return None if row < 0 else state.index.vector(row)
 
     def _holder(self, item_id: str) -> State | None:
         """The served state if it holds the live item ``item_id``, else None."""
         state = self.state
+        return state if self._row(state, item_id) >= 0 else None
+
+    @staticmethod
+    def _row(state: State, item_id: str) -> int:
+        """The live row of ``item_id`` in ``state``, -1 when it holds no such item."""
         if state.index is None or not state.items:
-            return None
-        try:
-            state.index.lookup([item_id])
-        except IndexInputError:
-            return None
-        return state
+            return -1
+        return state.index.find(str(item_id))
 
     def check_vector(self, vector: np.ndarray) -> None:
         if vector.shape != (self.dim,):
@@ -196,8 +222,8 @@ class LiveIndex:
                     catalogues: tuple[str, ...] = (), include_self: bool = False) -> list[dict]:
         """Hits of an indexed item's stored embedding (the item itself left out unless include_self)."""
         state = self._searchable()
-        own = self._lookup(state, item_id)
-        vector = state.index.embeddings([item_id])  # (1, E)
+        own = self._lookup(state, item_id)  # (1,)
+        vector = state.index.vector(int(own[0]))[None, :]  # (1, E)
         allowed, _ = self._allowed(state, datasets, catalogues)
         extra = 0 if include_self else 1
         scores, ids = state.index.search_ids(vector, min(k + extra, state.items), allowed=allowed)
@@ -212,44 +238,46 @@ class LiveIndex:
                                     "jobs/embed.py (the service picks it up without a restart)")
         return state
 
-    @staticmethod
-    def _lookup(state: State, item_id: str) -> np.ndarray:
-        try:
-            return state.index.lookup([item_id])  # (1,)
-        except IndexInputError as exc:
-            raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index") from exc
+    def _lookup(self, state: State, item_id: str) -> np.ndarray:
+        """(1,) the live row of ``item_id``; 404 when the index does not hold it."""
+        row = self._row(state, item_id)
+        if row < 0:
+            raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index")
+        return np.array([row], dtype=np.int64)
 
     def _allowed(self, state: State, datasets: tuple[str, ...], catalogues: tuple[str, ...],
-                 strict: bool = True) -> tuple[np.ndarray | None, list[str]]:
-        """The bool (N,) mask of items in the named datasets and catalogues (None: no filter) and the
-        names no live item has: a 422 naming them when ``strict``, else returned (they match nothing)."""
+                 strict: bool = True) -> tuple[Selection | None, list[str]]:
+        """The items in the named datasets and catalogues (None: no filter), selected for FAISS once per
+        filter and state, and the names no live item has: a 422 naming them when ``strict``, else
+        returned (they match nothing)."""
         if not datasets and not catalogues:
             return None, []
         key = (datasets, catalogues)
-        if key not in state.masks:
-            if len(state.masks) >= MAX_CACHED_FILTERS:
-                state.masks.clear()
+        if key not in state.selections:
+            if len(state.selections) >= MAX_CACHED_FILTERS:
+                state.selections.clear()
             live = state.index.live
-            by_dataset, unknown_datasets = _mask(state.meta, DATASET, datasets, live)
-            by_catalogue, unknown_catalogues = _catalogue_mask(state.meta, catalogues, live)
-            state.masks[key] = (by_dataset & by_catalogue & live, unknown_datasets, unknown_catalogues)
-        mask, unknown_datasets, unknown_catalogues = state.masks[key]
+            by_dataset, unknown_datasets = _mask(state.index, DATASET, datasets, live)
+            by_catalogue, unknown_catalogues = _catalogue_mask(state.index, catalogues, live)
+            chosen = state.index.select(by_dataset & by_catalogue & live)
+            state.selections[key] = (chosen, unknown_datasets, unknown_catalogues)
+        chosen, unknown_datasets, unknown_catalogues = state.selections[key]
         if strict and unknown_datasets:
-            present = _counts(state.meta[DATASET].filter(pa.array(state.index.live)))
+            present = _live_counts(state.index, DATASET)
             raise RequestError(422, f"unknown dataset(s) {unknown_datasets}; this index has "
                                     f"{sorted(present)[:20]}")
         if strict and unknown_catalogues:
-            present = _catalogue_names(state.meta, state.index.live)
+            present = _catalogue_names(state.index)
             raise RequestError(422, f"unknown catalogue(s) {unknown_catalogues}; this index has "
                                     f"{sorted(present)[:20]}")
-        return mask, _named(unknown_datasets, unknown_catalogues)
+        return chosen, _named(unknown_datasets, unknown_catalogues)
 
     # ------------------------------------------------------------------------- images and stats
 
     def thumbnail(self, item_id: str) -> bytes:
         """A JPEG of at most THUMBNAIL_SIDE px of an indexed item's stored image; 404 when there is none."""
         state = self._searchable()
-        row = state.meta.take(pa.array(self._lookup(state, item_id))).to_pylist()[0]
+        row = state.index.describe(self._lookup(state, item_id), [IMAGE_URI, IMAGE_ROW])[0]
         if not row[IMAGE_URI]:
             raise RequestError(404, f"item {item_id!r} has no stored image location")
         image_row = -1 if row[IMAGE_ROW] is None else int(row[IMAGE_ROW])
@@ -268,15 +296,15 @@ class LiveIndex:
     def stats(self) -> dict:
         """Items, shards, datasets and catalogues with their counts, the model id, freshness."""
         state, manifest = self.state, self.state.manifest
-        meta = state.live_meta()
+        datasets = {} if state.index is None else _live_counts(state.index, DATASET)
+        catalogues = {} if state.index is None else _live_counts(state.index, CATALOGUE)
         return {"index_uri": self.uri, "version": self.version, "items": state.items,
                 "shards": len(manifest.shards), "removed_rows": manifest.removed,
                 "model_id": manifest.model_id, "dim": manifest.dim, "metric": manifest.metric,
                 "index_type": manifest.index_type, "nprobe": self.cfg.nprobe,
                 "on_gpu": bool(state.index is not None and state.index.on_gpu),
-                "datasets": _counts(meta[DATASET]),
-                "catalogues": [{"uri": uri, "name": _name(uri), "items": n}
-                               for uri, n in _counts(meta[CATALOGUE]).items()],
+                "datasets": datasets,
+                "catalogues": [{"uri": uri, "name": _name(uri), "items": n} for uri, n in catalogues.items()],
                 "manifest_updated": manifest.updated, "loaded_at": time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.loaded_at)), "refused_update": self.refused}
 
@@ -368,10 +396,9 @@ def _version(manifest: Manifest) -> tuple:
 
 
 def _hits(state: State, scores: np.ndarray, ids: np.ndarray) -> list[dict]:
-    """(k,) scores and global ids (-1: none) -> hit dicts in rank order."""
+    """(k,) scores and rows (-1: none) -> hit dicts in rank order (only these k rows' fields are read)."""
     keep = ids >= 0
-    columns = state.hit_columns()
-    rows = [{c: values[i] for c, values in columns.items()} for i in ids[keep].tolist()]
+    rows = state.index.describe(ids[keep], HIT_COLUMNS)
     for row in rows:
         row[METADATA] = json.loads(row[METADATA]) if row[METADATA] else {}
         row[CLASS_NAME] = row[CLASS_NAME] or ""
@@ -379,31 +406,47 @@ def _hits(state: State, scores: np.ndarray, ids: np.ndarray) -> list[dict]:
             for rank, (score, row) in enumerate(zip(scores[keep].tolist(), rows, strict=True), start=1)]
 
 
-def _mask(meta: pa.Table, column: str, names: tuple[str, ...], live: np.ndarray) -> tuple[np.ndarray, list]:
+def _mask(index: ShardedIndex, column: str, names: tuple[str, ...],
+          live: np.ndarray) -> tuple[np.ndarray, list]:
     """Items whose ``column`` is one of ``names`` (all items when none are named), and the names no
     live item has."""
     if not names:
-        return np.ones(len(meta), dtype=bool), []
-    present = set(_counts(meta[column].filter(pa.array(live))))
-    mask = pc.is_in(meta[column], value_set=pa.array(names, pa.string())).fill_null(False).to_numpy(
-        zero_copy_only=False)
+        return np.ones(index.ntotal, dtype=bool), []
+    present = set(_live_counts(index, column))
+    wanted = pa.array(names, pa.string())
+    mask = np.concatenate([pc.is_in(values, value_set=wanted).fill_null(False).to_numpy(zero_copy_only=False)
+                           for values in index.shard_columns(column)])  # (N,)
     return mask, [n for n in names if n not in present]
 
 
-def _catalogue_mask(meta: pa.Table, names: tuple[str, ...], live: np.ndarray) -> tuple[np.ndarray, list]:
+def _catalogue_mask(index: ShardedIndex, names: tuple[str, ...],
+                    live: np.ndarray) -> tuple[np.ndarray, list]:
     """Items of the named catalogues, each named by its URI or its folder name; and unknown names."""
-    by_name = _catalogue_names(meta, live)
+    by_name = _catalogue_names(index)
     uris = tuple(sorted({by_name[n] for n in names if n in by_name}))
     if names and not uris:  # only unknown names: no item (an empty name list means no filter)
-        return np.zeros(len(meta), dtype=bool), list(names)
-    mask, _ = _mask(meta, CATALOGUE, uris, live)
+        return np.zeros(index.ntotal, dtype=bool), list(names)
+    mask, _ = _mask(index, CATALOGUE, uris, live)
     return mask, [n for n in names if n not in by_name]
 
 
-def _catalogue_names(meta: pa.Table, live: np.ndarray) -> dict[str, str]:
+def _catalogue_names(index: ShardedIndex) -> dict[str, str]:
     """Every name a live catalogue answers to (its URI and its folder name) -> its URI."""
-    uris = list(_counts(meta[CATALOGUE].filter(pa.array(live))))
+    uris = list(_live_counts(index, CATALOGUE))
     return {**{_name(u): u for u in uris}, **{u: u for u in uris}}
+
+
+def _live_counts(index: ShardedIndex, column: str) -> dict[str, int]:
+    """Non-null values of a held string column over the live items -> how many have each, by name
+    (shard by shard: a dictionary column counts its 4-byte codes, no string is copied)."""
+    total: dict[str, int] = {}
+    start = 0
+    for values in index.shard_columns(column):
+        live = pa.array(index.live[start:start + len(values)])
+        start += len(values)
+        for value, n in _counts(values.filter(live)).items():
+            total[value] = total.get(value, 0) + n
+    return dict(sorted(total.items()))
 
 
 def _named(datasets, catalogues) -> list[str]:

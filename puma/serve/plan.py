@@ -7,10 +7,15 @@ With versions (puma.index.versions) the live version is served, and its query mo
 checkpoint its manifest records (the configured one when it records none or it is gone).
 An index that records no model id (built from vectors by ``puma.index.build_index``) can still be
 served with ``serve.image_queries=false``: vector and item-id queries only.
+
+index.on_disk=auto is decided here for the replicas: an IVF index whose share per replica (its
+estimated bytes over the partitions) exceeds serve.index_replica_memory_gb is served from on-disk
+(memory-mapped) inverted lists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -21,7 +26,7 @@ from puma.index.manifest import Manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.versions import read_alias, resolve
 from puma.serve.errors import ServiceSetupError
-from puma.serve.partitions import partitions_for
+from puma.serve.partitions import index_bytes, partitions_for
 
 
 @dataclass
@@ -59,9 +64,26 @@ def plan_service(cfg: Config) -> ServicePlan:
     plan = ServicePlan(cfg, manifest, version=alias.live if alias else "")
     plan.partitions, plan.partitions_reason = partitions_for(manifest, cfg.serve.index_partitions,
                                                              cfg.serve.index_replica_memory_gb)
+    plan.cfg, on_disk = lists_on_disk(cfg, manifest, plan.partitions)
+    plan.partitions_reason += on_disk
     if cfg.serve.image_queries:
         plan.checkpoint, plan.view = check_model(cfg, manifest)
     return plan
+
+
+def lists_on_disk(cfg: Config, manifest: Manifest, partitions: int) -> tuple[Config, str]:
+    """``cfg`` with index.on_disk=auto decided (always when a replica's share of an IVF index is
+    estimated above serve.index_replica_memory_gb, else never), and a note for the plan's reason line
+    ('' when the lists stay in memory)."""
+    mode = cfg.index.on_disk
+    share = index_bytes(manifest) / max(1, partitions)
+    if mode == "auto":
+        mode = "always" if share > cfg.serve.index_replica_memory_gb * 1e9 else "never"
+        cfg = dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, on_disk=mode))
+    if mode != "always" or not manifest.nlist:
+        return cfg, ""
+    return cfg, (f"; IVF lists memory-mapped from local files (index.on_disk: {share / 1e9:.2f} GB a "
+                 f"replica, serve.index_replica_memory_gb={cfg.serve.index_replica_memory_gb:g})")
 
 
 def check_model(cfg: Config, manifest: Manifest) -> tuple[str, ViewSpec]:

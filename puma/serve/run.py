@@ -11,17 +11,27 @@ from its environment when the cluster starts: a local Ray started here gets dire
 cluster (``ray start``) must set the same variables on its nodes, else Serve's HTTP proxy answers on
 serve.port + 1 only. The KubeRay RayService (infra/base/rayservice.yaml) uses serve.ingress=proxy:
 KubeRay routes its Service to the pods whose proxy is healthy.
+
+The driver stays small while the service runs (it lives as long as the service): jobs/serve.py makes
+the plan in a child process (``plan_apart``), so what only the checks load (torch and every method
+module while the config resolves, the checkpoint read for the model check: about 0.7 GB) leaves with
+that process, and the driver keeps Ray's client and the plan.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from puma import storage
 from puma.config import Config, ServeConfig
+from puma.errors import one_line, user_error
 from puma.serve.errors import ServiceSetupError
 from puma.serve.plan import ServicePlan, plan_service
 
@@ -36,9 +46,48 @@ class RunningService:
     local_ray: bool  # this driver started the Ray cluster (and stops it)
 
 
-def start_service(cfg: Config) -> RunningService:
-    """Check, start Ray and Serve, deploy; returns once every deployment is ready."""
-    plan = plan_service(cfg)
+def plan_apart(config: str | None, overrides: list[str], verbose: bool = False) -> ServicePlan:
+    """The service's plan (``--config`` and overrides resolved, storage preflight, index and checkpoint
+    checked) made in a child process, which takes with it what only the checks loaded; a user's error
+    there is raised here, in one line."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_plan, config, overrides, verbose).result()
+
+
+def _plan(config: str | None, overrides: list[str], verbose: bool) -> ServicePlan:
+    """(In the child) resolve the config as jobs do, check storage, plan; errors sent back picklable."""
+    import argparse
+
+    from puma import console
+    from puma.cli import resolve_config
+
+    console.set_verbose(verbose)
+    try:
+        cfg = resolve_config(argparse.Namespace(config=config, overrides=overrides))
+        storage.preflight(cfg.storage, inputs=[cfg.index.uri])
+        return plan_service(cfg)
+    except Exception as exc:
+        found = user_error(exc)
+        if found is None or _picklable(found):
+            raise
+        raise ServiceSetupError(one_line(found)) from None
+
+
+def _picklable(exc: BaseException) -> bool:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any failure means: send a plain error instead
+        return False
+    return True
+
+
+def start_service(cfg: Config, plan: ServicePlan | None = None) -> RunningService:
+    """Check (unless given the ``plan``: see ``plan_apart``), start Ray and Serve, deploy; returns once
+    every deployment is ready."""
+    if plan is None:
+        plan = plan_service(cfg)
+    else:
+        storage.configure(plan.cfg.storage)
     s = plan.cfg.serve
     local = not os.environ.get("RAY_ADDRESS")
     if local:
