@@ -685,10 +685,17 @@ class _ChunkReader(io.RawIOBase):
         super().close()
 
 
-def open_stream(uri: str, chunk: int = 8 << 20) -> io.BufferedReader:
-    """The object at ``uri`` as a file read front to back without holding it (chunks of ``chunk``
-    bytes; a broken stream resumes where it was; a missing object raises FileNotFoundError on read)."""
-    return io.BufferedReader(_ChunkReader(uri, chunk), buffer_size=chunk)
+def open_stream(uri: str, chunk: int = 8 << 20) -> io.BufferedReader | pa.NativeFile:
+    """The object at ``uri`` as a file read front to back without holding it: a local file as it is; an
+    S3 object in chunks of ``chunk`` bytes, a broken stream resuming where it was (a missing object
+    raises FileNotFoundError on read)."""
+    if is_s3(uri):
+        return io.BufferedReader(_ChunkReader(uri, chunk), buffer_size=chunk)
+    fs, path = resolve(uri)
+    try:
+        return fs.open_input_stream(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"no object at {uri}") from exc
 
 
 def open_file(uri: str) -> pa.NativeFile:

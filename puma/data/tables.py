@@ -56,6 +56,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from puma import storage
+from puma.data.columns import repeated_rows, scatter_rows, take_rows
 from puma.data.rejects import Reject
 from puma.errors import UserError, one_line
 
@@ -75,6 +76,7 @@ ROWS_SCHEMA = pa.schema([
 ])
 _INTEGER = re.compile(r"[+-]?\d+")
 CSV_BLOCK_BYTES = 8 << 20  # CSV text parsed per record batch
+CHUNK_BYTES = 64 << 20  # a parsed column's bytes per chunk
 
 
 class TableError(UserError, ValueError):
@@ -89,6 +91,7 @@ class ItemTable:
     rejects: list[dict] = field(default_factory=list)
     metadata_columns: list[str] = field(default_factory=list)
     uri: str = ""
+    versions: pa.Array | None = None  # the ``stamp_column``'s text per row ('' when empty), when asked for
 
 
 @dataclass
@@ -101,6 +104,7 @@ class _Cells:
     datasets: pa.Array
     labels: pa.Array
     metadata: pa.Array
+    versions: pa.Array | None = None  # the stamp column's text, when one is named
 
 
 @dataclass
@@ -125,47 +129,58 @@ def table_stem(uri: str) -> str:
     return name[:len(name) - len(suffix)]
 
 
-def read_item_table(uri: str, dataset: str = "") -> ItemTable:
-    """The valid rows of the table at ``uri`` and a reject for every other row (module docstring)."""
+def read_item_table(uri: str, dataset: str = "", stamp_column: str = "") -> ItemTable:
+    """The valid rows of the table at ``uri`` and a reject for every other row (module docstring);
+    ``stamp_column``: a column whose text (a version, an ETag) is also kept per row as ``versions``."""
     uri = storage.absolute(uri)  # messages name the file wherever the job runs
-    raw = _parse(uri)
+    raw = _parse(uri, stamp_column)
     metadata_columns = [c for c in raw.names if c not in RESERVED_COLUMNS]
     if raw.cells is None:  # a JSONL file without records: nothing to check
-        return ItemTable(ROWS_SCHEMA.empty_table(), [], [], uri)
+        return ItemTable(ROWS_SCHEMA.empty_table(), [], [], uri, pa.array([], pa.string()))
+    if stamp_column and stamp_column not in raw.names:
+        raise TableError(f"{uri} has no column {stamp_column!r} (embed.stamp_column); it has {raw.names}")
     cells = raw.cells
     cells.datasets = pc.if_else(pc.equal(cells.datasets, ""), dataset or table_stem(uri), cells.datasets)
     cells.images = resolve_image_uris(cells.images, _folder(uri))
     keep, rejects = _screen(uri, raw.lines, cells.ids, cells.images, cells.datasets)
     if len(keep) < len(raw.lines):
         _keep_rows(cells, keep)
-    labels, class_names = _labels(cells.labels, cells.datasets)
+    labels, class_names = _labels(_one(cells.labels), _one(cells.datasets))
     rows = pa.table({"item_id": cells.ids, "image_uri": cells.images, "label": labels,
                      "class_name": class_names, "dataset": cells.datasets, "metadata": cells.metadata,
                      "source_row": raw.lines[keep]}, schema=ROWS_SCHEMA)
-    return ItemTable(rows, rejects, metadata_columns, uri)
+    return ItemTable(rows, rejects, metadata_columns, uri, cells.versions)
+
+
+def _one(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A (small) column as one array."""
+    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
 def _keep_rows(cells: _Cells, keep: np.ndarray) -> None:
     """Only the rows ``keep`` of every column, one column at a time (each old one released before the next
-    is copied: a table's rows are held about once, not twice)."""
-    chosen = pa.array(keep)
+    is filtered, chunk by chunk: a table's rows are held about once, not twice)."""
+    mask = np.zeros(len(cells.ids), bool)
+    mask[keep] = True
+    chosen = pa.array(mask)
     for f in fields(_Cells):
-        setattr(cells, f.name, getattr(cells, f.name).take(chosen))
+        if getattr(cells, f.name) is not None:
+            setattr(cells, f.name, getattr(cells, f.name).filter(chosen))
 
 
 # ----------------------------------------------------------------------------- parsing
 
 
-def _parse(uri: str) -> _Raw:
+def _parse(uri: str, stamp_column: str = "") -> _Raw:
     """Read and parse the table by its suffix."""
     suffix = next((s for s in TABLE_SUFFIXES if str(uri).lower().endswith(s)), None)
     if suffix is None:
         raise TableError(f"{uri} is not a catalogue table: its name must end in one of "
                          f"{list(TABLE_SUFFIXES)}")
-    return _PARSERS[suffix](uri)
+    return _PARSERS[suffix](uri, stamp_column)
 
 
-def _parse_csv(uri: str) -> _Raw:
+def _parse_csv(uri: str, stamp_column: str) -> _Raw:
     """Every cell as text (an empty cell: None); the header is row 1, so data row i is row i + 2."""
     import pyarrow.csv as pacsv
 
@@ -179,7 +194,7 @@ def _parse_csv(uri: str) -> _Raw:
                                        quoted_strings_can_be_null=False)
         with storage.open_stream(uri) as f:
             reader = pacsv.open_csv(f, read_options=read, convert_options=options)
-            cells = [_cells(names, batch.columns) for batch in _batches(reader)]
+            cells = [_cells(names, batch.columns, stamp_column) for batch in _batches(reader)]
     except pa.ArrowInvalid as exc:
         raise TableError(f"{uri} is not a readable CSV table ({one_line(exc)}); expected a header line with "
                          f"item_id and image_uri, then one line per item with as many fields") from exc
@@ -195,7 +210,7 @@ def _batches(reader) -> Iterator[pa.RecordBatch]:
             return
 
 
-def _parse_jsonl(uri: str) -> _Raw:
+def _parse_jsonl(uri: str, stamp_column: str) -> _Raw:
     """One JSON object per line (blank lines skipped); a key missing from a record is None there."""
     records, lines = [], []
     for number, line in enumerate(_decode(storage.read_bytes(uri), uri).split("\n"), 1):
@@ -222,11 +237,12 @@ def _parse_jsonl(uri: str) -> _Raw:
 
     metadata = pa.array([json.dumps({n: _json_safe(r.get(n)) for n in meta}, sort_keys=True, allow_nan=False)
                          for r in records], pa.string())
-    cells = _Cells(text("item_id"), text("image_uri"), text("dataset"), text("label"), metadata)
+    cells = _Cells(text("item_id"), text("image_uri"), text("dataset"), text("label"), metadata,
+                   text(stamp_column) if stamp_column else None)
     return _Raw(names, cells, np.asarray(lines, np.int64))
 
 
-def _parse_parquet(uri: str) -> _Raw:
+def _parse_parquet(uri: str, stamp_column: str) -> _Raw:
     """Row groups one at a time, each reduced to its cells; row i is row i + 1."""
     import pyarrow.parquet as pq
 
@@ -235,7 +251,8 @@ def _parse_parquet(uri: str) -> _Raw:
         file = pq.ParquetFile(source)
         names = _unique_names(uri, file.schema_arrow.names)
         cells = [_cells(names, [c.combine_chunks() for c in storage.call(
-            "reading", uri, lambda g=g: file.read_row_group(g)).columns]) for g in range(file.num_row_groups)]
+            "reading", uri, lambda g=g: file.read_row_group(g)).columns], stamp_column)
+                 for g in range(file.num_row_groups)]
     except (pa.ArrowInvalid, OSError) as exc:
         if isinstance(exc, storage.StorageError):
             raise
@@ -245,7 +262,7 @@ def _parse_parquet(uri: str) -> _Raw:
     return _raw(uri, names, cells, 1)
 
 
-_PARSERS: dict[str, Callable[[str], _Raw]] = {
+_PARSERS: dict[str, Callable[[str, str], _Raw]] = {
     ".csv": _parse_csv, ".jsonl": _parse_jsonl, ".parquet": _parse_parquet}
 
 
@@ -270,12 +287,27 @@ def _unique_names(uri: str, names: list[str]) -> list[str]:
 def _raw(uri: str, names: list[str], batches: list[_Cells], first_row: int) -> _Raw:
     """The batches' cells as one table's (one array a column), rows numbered from ``first_row``."""
     parts = []
-    for f in fields(_Cells):  # a column at a time, its batches released once it is one array
-        parts.append(pa.chunked_array([getattr(c, f.name) for c in batches], pa.string()).combine_chunks())
+    for f in fields(_Cells):  # a column at a time
+        chunks = [getattr(c, f.name) for c in batches]
         for c in batches:
             setattr(c, f.name, None)
+        parts.append(None if chunks and chunks[0] is None else _joined(chunks))  # versions: none named
     cells = _Cells(*parts)
     return _Raw(names, cells, np.arange(first_row, first_row + len(cells.ids), dtype=np.int64))
+
+
+def _joined(chunks: list[pa.Array]) -> pa.ChunkedArray:
+    """The batches' arrays as one column in chunks of about CHUNK_BYTES (small batches concatenated, each
+    released once copied: the column is held once, never twice; ``take_rows`` takes from it chunk by
+    chunk)."""
+    out, group, size = [], [], 0
+    while chunks:
+        group.append(chunks.pop(0))
+        size += group[-1].nbytes
+        if size >= CHUNK_BYTES or group[-1].nbytes >= CHUNK_BYTES // 64 or not chunks:
+            out.append(group[0] if len(group) == 1 else pa.concat_arrays(group))
+            group, size = [], 0
+    return pa.chunked_array(out, pa.string())
 
 
 def _check_columns(uri: str, names: list[str]) -> None:
@@ -288,7 +320,7 @@ def _check_columns(uri: str, names: list[str]) -> None:
 # ----------------------------------------------------------------------------- cells
 
 
-def _cells(names: list[str], columns: Sequence[pa.Array]) -> _Cells:
+def _cells(names: list[str], columns: Sequence[pa.Array], stamp_column: str = "") -> _Cells:
     """One batch of columns (in ``names`` order) reduced to its cells."""
     by_name = dict(zip(names, columns, strict=True))
     n = len(columns[0]) if columns else 0
@@ -298,8 +330,9 @@ def _cells(names: list[str], columns: Sequence[pa.Array]) -> _Cells:
         return text_column(by_name.get(name, blank))
 
     meta = sorted(n for n in names if n not in RESERVED_COLUMNS)
+    versions = text(stamp_column) if stamp_column else None
     return _Cells(text("item_id"), text("image_uri"), text("dataset"), text("label"),
-                  _metadata(meta, [by_name[m] for m in meta], n))
+                  _metadata(meta, [by_name[m] for m in meta], n), versions)
 
 
 def text_column(values: pa.Array) -> pa.Array:
@@ -401,20 +434,13 @@ def _patched(out: pa.Array, values: pa.Array, other: np.ndarray) -> pa.Array:
     """``out`` with the cells where ``other`` is True written by json.dumps instead."""
     if not other.any():
         return out
-    return _scatter(out, np.flatnonzero(other), _per_cell(values, other))
+    return scatter_rows(out, np.flatnonzero(other), _per_cell(values, other))
 
 
 def _per_cell(values: pa.Array, chosen: np.ndarray) -> pa.Array:
     """json.dumps of the chosen cells (in order)."""
     picked = values.filter(pa.array(chosen)).to_pylist()
     return pa.array([json.dumps(_json_safe(v), sort_keys=True, allow_nan=False) for v in picked], pa.string())
-
-
-def _scatter(base: pa.Array, where: np.ndarray, values: pa.Array) -> pa.Array:
-    """``base`` with ``values`` at the positions ``where`` (sorted)."""
-    source = np.arange(len(base), dtype=np.int64)
-    source[where] = len(base) + np.arange(len(where), dtype=np.int64)
-    return pa.concat_arrays([base.cast(pa.string()), values]).take(pa.array(source))
 
 
 def _json_safe(value):
@@ -466,8 +492,8 @@ def resolve_image_uris(values: pa.Array, folder: str) -> pa.Array:
     if not other.any():
         return out
     where = np.flatnonzero(other)
-    fixed = _per_value(values.take(pa.array(where)), lambda v: resolve_image_uri(v, folder))
-    return _scatter(out, where, fixed)
+    fixed = _per_value(take_rows(values, where), lambda v: resolve_image_uri(v, folder))
+    return scatter_rows(out, where, fixed)
 
 
 def _any_of(*masks: pa.Array) -> pa.Array:
@@ -494,12 +520,10 @@ def _screen(uri: str, lines: np.ndarray, ids: pa.Array, images: pa.Array, datase
                                             for i in np.flatnonzero(no_id)}
     for i in np.flatnonzero(no_image):
         problems[int(i)] = ("missing_image_uri", f"image_uri of item {ids[i].as_py()!r} is empty")
-    valid = ~(no_id | no_image)
-    counts = pc.value_counts(ids.filter(pa.array(valid)))
-    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+    valid = np.flatnonzero(~(no_id | no_image))
+    repeated = valid[repeated_rows(take_rows(ids, valid) if len(valid) < len(ids) else ids)]
     if len(repeated):
-        problems.update(_duplicates(lines, ids, valid & pc.is_in(ids, value_set=repeated).to_numpy(
-            zero_copy_only=False)))
+        problems.update(_duplicates(lines, ids, repeated))
     rows = sorted(problems)
     bad = np.zeros(len(ids), bool)
     bad[rows] = True
@@ -509,11 +533,11 @@ def _screen(uri: str, lines: np.ndarray, ids: pa.Array, images: pa.Array, datase
     return np.flatnonzero(~bad), rejects
 
 
-def _duplicates(lines: np.ndarray, ids: pa.Array, repeated: np.ndarray) -> dict[int, tuple[str, str]]:
-    """A duplicate_item_id problem for every row but the first of each repeated item id."""
-    where = np.flatnonzero(repeated)
+def _duplicates(lines: np.ndarray, ids: pa.Array, where: np.ndarray) -> dict[int, tuple[str, str]]:
+    """A duplicate_item_id problem for every row but the first of each repeated item id (``where``: every
+    row of those ids, sorted)."""
     rows_of: dict[str, list[int]] = defaultdict(list)
-    for i, item_id in zip(where.tolist(), ids.take(pa.array(where)).to_pylist(), strict=True):
+    for i, item_id in zip(where.tolist(), take_rows(ids, where).to_pylist(), strict=True):
         rows_of[item_id].append(i)
     problems = {}
     for item_id, rows in rows_of.items():
