@@ -292,3 +292,27 @@ def test_rows_sharing_a_photo_are_decoded_and_embedded_once_and_each_indexed(ray
     index = ShardedIndex.open(location, use_gpu=False)
     np.testing.assert_allclose(index.embeddings(["v0-0", "n0", "n1", "n2", "m"]),
                                reference_embeddings(checkpoint, refs_of([extra] * 4 + [own[1]])), atol=1e-5)
+
+
+def test_a_stamp_column_decides_which_images_are_read_again(ray_cluster, checkpoint, tmp_path):
+    """embed.stamp_column: the table's version column is the stamp, the files' write times are not asked."""
+    folder = tmp_path / "v"
+    folder.mkdir()
+    for p in photos("sunflower")[60:64]:
+        shutil.copy(p, folder / p.name)
+    names = [p.name for p in photos("sunflower")[60:64]]
+
+    def write(versions: list[str]) -> None:
+        lines = [f"s{i},v/{name},{v}" for i, (name, v) in enumerate(zip(names, versions, strict=True))]
+        (tmp_path / "versioned.csv").write_text("item_id,image_uri,version\n" + "\n".join(lines) + "\n")
+
+    write(["1", "1", "1", "1"])
+    cfg = cfg_for(tmp_path, checkpoint, "embed.stamp_column=version")
+    first = embed_catalogue(cfg, str(tmp_path / "versioned.csv"))
+    assert (first.embedded, first.total) == (4, 4)
+    (folder / names[0]).write_bytes((folder / names[0]).read_bytes())  # rewritten, same version: not read
+    shutil.copy(photos("sunflower")[70], folder / names[2])  # another photo, old name, new version
+    write(["1", "2", "2", "1"])  # s1: a new version of the same bytes
+    second = embed_catalogue(cfg, str(tmp_path / "versioned.csv"))
+    assert (second.read_to_compare, second.embedded, second.changed, second.restamped) == (2, 1, 1, 1)
+    assert second.skipped_indexed == 3 and second.total == 4

@@ -13,6 +13,7 @@ from s3proxy import S3Proxy
 
 from puma import storage
 from puma.config import RetryConfig, StorageConfig
+from puma.data.tables import TableError
 from puma.inference.catalogue import list_catalogue, plain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,3 +103,20 @@ def test_local_table_stamps_are_each_files_size_and_write_time(tmp_path):
     assert refs["stamp"].to_pylist() == expected and expected[-1] == ""
     assert refs["source_path"].to_pylist() == refs["image_uri"].to_pylist()
     assert set(refs["catalogue"].to_pylist()) == {str(tmp_path / "shop.csv")}
+
+
+def test_a_stamp_column_stamps_rows_without_asking_the_store(s3_storage, proxy):
+    photos = _photos(3)
+    shop = storage.join(s3_storage, "shop")
+    for i, data in enumerate(photos):
+        storage.write_bytes(storage.join(shop, "img", f"{i}.jpg"), data)
+    rows = ["a,img/0.jpg,v1", "b,img/1.jpg,\"e\"\"tag\"", "c,img/1.jpg,v1", "d,img/2.jpg,"]  # d: no version
+    storage.write_text(storage.join(shop, "items.csv"), "item_id,image_uri,etag\n" + "\n".join(rows) + "\n")
+    proxy.log.clear()
+    refs = list_catalogue(storage.join(shop, "items.csv"), stamp_column="etag").refs
+    assert _requests(proxy) == (0, 1)  # d's image alone is asked for
+    assert refs["stamp"].to_pylist() == ["@etag=v1", "@etag=e\"tag", "@etag=v1",
+                                         _head_stamp(storage.join(shop, "img", "2.jpg"))]
+    assert refs["metadata"][1].as_py() == '{"etag": "e\\"tag"}'  # the column stays metadata too
+    with pytest.raises(TableError, match="has no column 'version' \\(embed.stamp_column\\); it has"):
+        list_catalogue(storage.join(shop, "items.csv"), stamp_column="version")

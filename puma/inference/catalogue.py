@@ -15,8 +15,10 @@ A catalogue is
 References are a pyarrow table (REF_COLUMNS; the repeated string columns dictionary-encoded, ``plain``
 decodes them), so the job can drop what is indexed and unchanged before any image is read or decoded.
 ``stamp`` is what the listing says of the image (size and write time of a file, or shard and row of a
-prepared item): when it is the stamp stored with the
-indexed item, the image is unchanged and is not read (``puma.inference.reconcile``).
+prepared item): when it is the stamp stored with the indexed item, the image is unchanged and is not
+read (``puma.inference.reconcile``). A table's images are stamped once per distinct image, local files
+in one call and S3 objects by listing the folders the table points into (one request per 1,000 keys)
+where that takes fewer requests than a HEAD per object (``puma.storage.stat_files``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pyarrow.compute as pc
 
 from puma import storage
 from puma.data import schema
+from puma.data.columns import first_rows, scatter_rows, take_rows
 from puma.data.manifest import load_manifest
 from puma.data.tables import TABLE_SUFFIXES, is_table, read_item_table
 from puma.errors import UserError
@@ -56,6 +59,7 @@ REF_COLUMNS = (ITEM_ID, DATASET, LABEL, CLASS_NAME, ROLE, SPLIT, SOURCE_PATH, CA
                METADATA, STAMP, FINGERPRINT)
 INT_COLUMNS = (LABEL, IMAGE_ROW)
 SPLITS = {"all": schema.STORED_SPLITS, "train": (schema.TRAIN,), "test": (schema.TEST,)}
+STAT_BATCH = 100_000  # files stamped per storage.stat_files call (its Python objects live that long)
 
 
 class CatalogueError(UserError, ValueError):
@@ -99,11 +103,12 @@ def catalogue_refs(uri: str, split: str = "all") -> tuple[pa.Table, int]:
     return listing.refs, listing.ignored
 
 
-def list_catalogue(uri: str, split: str = "all") -> Listing:
-    """Every item of the catalogue as a reference (no image read), with what the listing rejected."""
+def list_catalogue(uri: str, split: str = "all", stamp_column: str = "") -> Listing:
+    """Every item of the catalogue as a reference (no image read), with what the listing rejected;
+    ``stamp_column``: a table's column stamping its rows' images (embed.stamp_column, see _table_refs)."""
     uri = storage.absolute(uri)
     if is_table(uri):
-        listing = _table_refs(uri)
+        listing = _table_refs(uri, stamp_column)
     elif is_prepared(uri):
         listing = Listing(_prepared_refs(uri, split))
     else:
@@ -159,25 +164,48 @@ def _image_refs(uri: str) -> Listing:
     return Listing(_typed(refs), len(files) - n)
 
 
-def _table_refs(uri: str) -> Listing:
-    """One reference per valid row of a catalogue table; each distinct image stamped once (see
-    storage.stat_files: S3 folders are listed where that takes fewer requests than a HEAD per image)."""
-    table = read_item_table(uri, catalogue_name(uri))
+def _table_refs(uri: str, stamp_column: str = "") -> Listing:
+    """One reference per valid row of a catalogue table. Its image's stamp: ``@<stamp_column>=<value>``
+    when a stamp column is named and the row's cell is not empty (no storage request at all), else the
+    image's size and write time, each distinct image asked once (storage.stat_files: S3 folders are
+    listed where that takes fewer requests than a HEAD per image)."""
+    table = read_item_table(uri, catalogue_name(uri), stamp_column)
     rows = table.rows
     n = len(rows)
-    images = rows[IMAGE_URI].combine_chunks()
-    distinct = pc.unique(images)
-    stats = storage.stat_files(distinct.to_pylist())
-    found = np.fromiter((s is not None for s in stats), bool, len(stats))
-    sizes = np.fromiter((s.size if s else 0 for s in stats), np.int64, len(stats))
-    times = np.fromiter((s.mtime_ns if s else 0 for s in stats), np.int64, len(stats))
-    stamp = stamps(sizes, times, found).take(pc.index_in(images, value_set=distinct))
+    images = rows[IMAGE_URI]
+    given = None if not stamp_column else pc.not_equal(table.versions, "")
+    stamp = _file_stamps(images if given is None else images.filter(pc.invert(given)))
+    if given is not None:
+        versions = pc.binary_join_element_wise(f"@{stamp_column}=", table.versions, "")
+        stamp = scatter_rows(versions, np.flatnonzero(~given.to_numpy(zero_copy_only=False)), stamp)
     refs = pa.table({ITEM_ID: rows[ITEM_ID], DATASET: rows[DATASET].dictionary_encode(),
                      LABEL: rows[LABEL], CLASS_NAME: rows[CLASS_NAME].dictionary_encode(),
                      ROLE: constant(schema.GALLERY, n), SPLIT: constant("", n), SOURCE_PATH: images,
                      CATALOGUE: constant(uri, n), IMAGE_URI: images,
                      IMAGE_ROW: pa.array(np.full(n, -1, np.int64)), METADATA: rows[METADATA], STAMP: stamp})
     return Listing(_typed(refs), 0, table.rejects)
+
+
+def _file_stamps(images: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Each image's ``<size>:<mtime_ns>`` ('' when missing), every distinct image asked once, STAT_BATCH
+    at a time (dictionary-encoded when images repeat)."""
+    first = first_rows(images)  # (N,) each row's first row with its image
+    own = first == np.arange(len(first))
+    distinct = images if own.all() else take_rows(images, np.flatnonzero(own))
+    sizes, times = np.zeros(len(distinct), np.int64), np.zeros(len(distinct), np.int64)
+    found = np.zeros(len(distinct), bool)
+    for lo in range(0, len(distinct), STAT_BATCH):
+        stats = storage.stat_files(distinct.slice(lo, STAT_BATCH).to_pylist())
+        found[lo:lo + len(stats)] = [s is not None for s in stats]
+        sizes[lo:lo + len(stats)] = [s.size if s else 0 for s in stats]
+        times[lo:lo + len(stats)] = [s.mtime_ns if s else 0 for s in stats]
+    text = stamps(sizes, times, found)
+    if own.all():
+        return text
+    codes = (np.cumsum(own) - 1)[first]  # each row's image among the distinct ones
+    if 2 * len(distinct) > len(images):
+        return take_rows(text, codes)
+    return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), text)
 
 
 def stamps(sizes: np.ndarray, mtimes_ns: np.ndarray, found: np.ndarray | None = None) -> pa.Array:
@@ -188,8 +216,8 @@ def stamps(sizes: np.ndarray, mtimes_ns: np.ndarray, found: np.ndarray | None = 
 
 
 def constant(value: str, n: int) -> pa.DictionaryArray:
-    """``n`` times ``value``, dictionary-encoded (4 bytes a row): a catalogue's repeated columns."""
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([value], pa.string()))
+    """``n`` times ``value``, dictionary-encoded (a byte a row): a catalogue's repeated columns."""
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([value], pa.string()))
 
 
 def _empty_refs() -> pa.Table:
@@ -208,8 +236,9 @@ def _typed(table: pa.Table) -> pa.Table:
     columns = {}
     for c in REF_COLUMNS:
         if c in table.column_names:
-            kind = pa.int64() if c in INT_COLUMNS else \
-                DICTIONARY if pa.types.is_dictionary(table[c].type) else pa.string()
+            kind = table[c].type
+            if c in INT_COLUMNS or not (pa.types.is_dictionary(kind) and kind.value_type == pa.string()):
+                kind = pa.int64() if c in INT_COLUMNS else pa.string()
             columns[c] = table[c].cast(kind)
             if c in DEFAULTS and columns[c].null_count:
                 columns[c] = pc.fill_null(columns[c], DEFAULTS[c])

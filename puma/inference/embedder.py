@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from puma import storage
 from puma.data import schema
+from puma.data.columns import first_rows, take_rows
 from puma.data.images import ImageRejected, ViewSpec, make_view, plan_worker_view, worker_columns
 from puma.data.rejects import Reject
 from puma.index.table import (
@@ -77,15 +78,12 @@ def share_images(refs: pa.Table) -> tuple[pa.Table, np.ndarray]:
     """(one reference per distinct image: the first row naming its image_uri and image_row, in order;
     for each row of ``refs``, the position of its image's reference). Rows sharing a photo (product
     variants) are read, decoded and embedded once."""
-    uris = refs[IMAGE_URI].combine_chunks()
-    uris = uris if pa.types.is_dictionary(uris.type) else uris.dictionary_encode()
-    rows = refs[IMAGE_ROW].to_numpy().astype(np.int64)  # -1 for an image file
-    key = uris.indices.to_numpy().astype(np.int64) * (int(rows.max(initial=0)) + 2) + rows + 1
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    position = np.empty(len(first), np.int64)
-    position[order] = np.arange(len(first))
-    return refs.take(pa.array(first[order])), position[inverse.ravel()]
+    first = first_rows(refs[IMAGE_URI], refs[IMAGE_ROW].to_numpy())  # (N,) each row's image's first row
+    own = first == np.arange(len(first))
+    if own.all():  # nothing shared
+        return refs, np.arange(len(refs))
+    position = np.cumsum(own) - 1  # an image's place among the images, at its first row
+    return take_rows(refs, np.flatnonzero(own)), position[first]
 
 
 def decode_refs(refs: pa.Table, view: ViewSpec) -> tuple[dict[str, np.ndarray], list[dict]]:

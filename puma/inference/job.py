@@ -12,8 +12,11 @@ Every run reconciles: it brings each catalogue's part of the index to the catalo
       -> final commit: restamped rows, removals of items gone from the catalogue, the run's record
       -> compaction of shards whose removed rows reach index.compact_fraction (its own commit)
 
-Only new and changed images are read and decoded. A crash loses at most the uncommitted block; the
-next run plans again from what is committed and converges. One writer per index at a time.
+Only new and changed images are read and decoded, each distinct image (image_uri, image_row) once per
+run: rows sharing a photo (product variants) get its embedding and fingerprint with their own item id,
+description and stamp, in the same commit, or are rejected with it (report.images counts the images).
+A crash loses at most the uncommitted block; the next run plans again from what is committed and
+converges. One writer per index at a time.
 
 Versions (puma.index.versions): ``index.uri`` is a location holding one index per model. A run
 writes the version of its checkpoint's model; when that is not the live version, it first embeds
@@ -56,9 +59,11 @@ from puma.checkpoint import best_checkpoint_uri, checkpoint_id, read_checkpoint
 from puma.checkpoint import resolve_checkpoint as follow_pointer
 from puma.config import Config, absolute_paths
 from puma.data import schema
+from puma.data.columns import take_rows
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.data.manifest import load_manifest
 from puma.data.rejects import Reject, read_rejects, reject_counts, write_rejects
+from puma.data.tables import is_table
 from puma.errors import UserError
 from puma.faults import fault_point
 from puma.index import create_index, plan_index, read_manifest
@@ -358,9 +363,10 @@ def _reconcile(run: _Run, split: str) -> None:
 
 def _todo(run: _Run, split: str) -> pa.Table:
     """What to read and embed: the plan's new and changed items, less what earlier runs rejected."""
-    listing = list_catalogue(run.catalogue, split)
+    listing = list_catalogue(run.catalogue, split, run.cfg.embed.stamp_column)
     refs = listing.refs
-    check_unique(refs, run.catalogue)
+    if not is_table(run.catalogue):  # a table's repeated ids are rejects already
+        check_unique(refs, run.catalogue)
     _list_prepare_rejects(run, split)
     run.report.items, run.report.ignored_files = len(refs), listing.ignored
     manifest = read_manifest(run.index_uri) if has_manifest(run.index_uri) else None
@@ -392,9 +398,10 @@ def _forget_fixed_rejects(run: _Run, todo: pa.Table) -> set[str]:
     rows = read_rejects(run.report.rejects_uri)
     stamped = [r for r in rows if r.get("stamp")]
     at = pc.index_in(pa.array([r["item_id"] for r in stamped], pa.string()), value_set=todo[ITEM_ID])
-    now = todo[STAMP].take(at).to_pylist() if stamped else []  # each one's stamp in todo, or None
-    fixed = {r["item_id"] for r, stamp in zip(stamped, now, strict=True)
-             if stamp is not None and stamp != r["stamp"]}
+    at = at.fill_null(-1).to_numpy(zero_copy_only=False)  # each one's row in todo, or -1
+    listed = np.flatnonzero(at >= 0)
+    now = dict(zip(listed.tolist(), take_rows(todo[STAMP], at[listed]).to_pylist(), strict=True))
+    fixed = {r["item_id"] for i, r in enumerate(stamped) if i in now and now[i] != r["stamp"]}
     if fixed:
         write_rejects(run.report.rejects_uri, [r for r in rows if r["item_id"] not in fixed])
         log.info("catalogue %s: %d rejected image(s) changed since: read again", run.catalogue, len(fixed))
@@ -481,7 +488,7 @@ class _SharedImages:
         if first.all():
             return cls(images, todo.slice(0, 0), np.zeros(0, np.int64), {})
         rows = np.flatnonzero(~first)
-        sharers, image_of = plain(todo.take(pa.array(rows))), position[rows]
+        sharers, image_of = plain(take_rows(todo, rows)), position[rows]
         order = np.argsort(image_of, kind="stable")
         bounds = np.flatnonzero(np.diff(image_of[order], prepend=-1, append=-2))
         owners = images[ITEM_ID].take(pa.array(image_of[order[bounds[:-1]]])).to_pylist()
@@ -556,7 +563,7 @@ def _create_index(run: _Run, shared: _SharedImages, count: int, reject_log,
         return todo
     rows = np.sort(np.random.default_rng(run.cfg.index.seed).choice(
         len(todo), size=min(len(todo), plan.train_sample), replace=False))
-    sample = todo.take(pa.array(rows))
+    sample = take_rows(todo, rows)
     tables = [to_table(b) for b in _counted(_stream(run, sample, reject_log), bar)]
     table = pa.concat_tables(tables) if tables else None
     if table is None or len(table) == 0:

@@ -16,6 +16,15 @@ stored have none and are embedded again once.
 
 An item id indexed from another catalogue cannot be taken by this one: such rows are rejects
 (``duplicate_item_id``), so a hit's item id names one image.
+
+At the size catalogues have (millions of rows, about 1% changed a night) the plan is columnar and
+holds about the references plus 40 bytes a live row, never a Python object per unchanged item:
+
+    live_items   every shard's item_id, global id, catalogue and role (dictionary-encoded)
+    plan         one lookup of the references' item ids in those keys (puma.data.columns.find_rows);
+                 then shard by shard, the stamp, metadata, label, dataset and class name of the
+                 rows found are read (only their row groups) and compared with the references'
+                 columns; the stored fingerprints only of the rows whose stamp changed
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from puma import storage
+from puma.data.columns import find_rows, take_rows
 from puma.data.rejects import Reject
 from puma.index.manifest import Manifest, ShardEntry, live_rows
 from puma.index.table import (
@@ -49,7 +59,7 @@ from puma.inference.embedder import fingerprint, read_image_bytes, share_images
 log = logging.getLogger(__name__)
 KEY_COLUMNS = [INDEX_ID, ITEM_ID, CATALOGUE, ROLE]  # what a plan holds of every live row
 DESCRIBED_BY = (METADATA, LABEL, DATASET, CLASS_NAME)  # an item's columns besides its image
-COMPARED = [INDEX_ID, STAMP, FINGERPRINT, *DESCRIBED_BY]  # read shard by shard for the known items
+COMPARED = [STAMP, *DESCRIBED_BY]  # read shard by shard for the known items (fingerprints: stamp changed)
 
 
 @dataclass
@@ -131,13 +141,14 @@ def plan(refs: pa.Table, catalogue: str, live: LiveItems) -> Plan:
     items that changed."""
     keys = live.keys
     mine = pc.equal(keys[CATALOGUE], catalogue).fill_null(False).to_numpy(zero_copy_only=False)
-    row = pc.index_in(refs[ITEM_ID], value_set=keys[ITEM_ID]).fill_null(-1).to_numpy(zero_copy_only=False)
+    row = find_rows(refs[ITEM_ID], keys[ITEM_ID])  # each reference's live row, or -1
     taken = (row >= 0) & ~mine[np.maximum(row, 0)] if len(keys) else np.zeros(len(refs), bool)
     rejects = _taken_rejects(refs, taken, keys, row, catalogue) if taken.any() else []
     if taken.any():
         refs, row = refs.filter(pa.array(~taken)), row[~taken]
     known = row >= 0
-    stored = _compare(refs, keys[INDEX_ID].to_numpy(), row, live)
+    index_ids = keys[INDEX_ID].to_numpy()
+    stored = _compare(refs, index_ids, row, live)
     check = known & ~stored.same_stamp  # read + hash these, compare with the stored fingerprint
     same_bytes = stored.same_stamp.copy()
     if check.any():
@@ -150,14 +161,14 @@ def plan(refs: pa.Table, catalogue: str, live: LiveItems) -> Plan:
     new = ~known
     result = Plan(embed=pa.concat_tables([refs.filter(pa.array(new)), refs.filter(pa.array(changed))]),
                   new=int(new.sum()), changed=int(changed.sum()),
-                  removed=keys[INDEX_ID].to_numpy()[gone].astype(np.int64),
+                  removed=index_ids[gone].astype(np.int64),
                   unchanged=int((known & same_bytes & stored.same_stamp & stored.same_desc).sum()),
                   indexed=int(mine.sum()), hashed=int(check.sum()), rejects=rejects)
     again = np.flatnonzero(changed | restamp)
     if len(again):
-        ids = refs[ITEM_ID].take(pa.array(again)).to_pylist()
-        result.replaced = dict(zip(ids, stored.index_id[again].tolist(), strict=True))
-    result.restamped = _restamp_source(refs, stored.index_id, restamp)
+        ids = take_rows(refs[ITEM_ID], again).to_pylist()
+        result.replaced = dict(zip(ids, index_ids[row[again]].tolist(), strict=True))
+    result.restamped = _restamp_source(refs, index_ids[row[restamp]], restamp)
     log.info("catalogue %s: %d new, %d changed, %d restamped, %d removed, %d unchanged (%d image(s) read to "
              "compare)", catalogue, result.new, result.changed, result.restamp_count, len(result.removed),
              result.unchanged, result.hashed)
@@ -166,10 +177,9 @@ def plan(refs: pa.Table, catalogue: str, live: LiveItems) -> Plan:
 
 @dataclass
 class _Stored:
-    """For each reference: its item's global id (-1 when new), whether the stored stamp and description
-    are the listed ones; and the stored fingerprints of those whose stamp differs (in order)."""
+    """For each reference: whether the stored stamp and description are the listed ones (False when it
+    is new); and the stored fingerprints of those whose stamp differs (in order)."""
 
-    index_id: np.ndarray
     same_stamp: np.ndarray
     same_desc: np.ndarray
     prints: list
@@ -178,37 +188,33 @@ class _Stored:
 def _compare(refs: pa.Table, index_ids: np.ndarray, row: np.ndarray, live: LiveItems) -> _Stored:
     """Read the compared columns of the known references' rows, one shard at a time, and compare."""
     n = len(refs)
-    out = _Stored(np.full(n, -1, np.int64), np.zeros(n, bool), np.zeros(n, bool), [])
-    known = np.flatnonzero(row >= 0)
+    out = _Stored(np.zeros(n, bool), np.zeros(n, bool), [])
+    known = np.flatnonzero(row >= 0).astype(row.dtype)  # the references found, as live rows: row[known]
     if not len(known):
         return out
-    out.index_id[known] = index_ids[row[known]]
-    shards = live.manifest.shards
-    starts = np.array([s.id_start for s in shards], dtype=np.int64)
-    shard_of = np.searchsorted(starts, out.index_id[known], side="right") - 1
-    order = np.argsort(shard_of, kind="stable")
-    bounds = np.searchsorted(shard_of[order], np.arange(len(shards) + 1))
+    starts = np.array([s.id_start for s in live.manifest.shards], dtype=np.int64)
+    shard_of = (np.searchsorted(starts, index_ids[row[known]], side="right") - 1).astype(np.int32)
     prints: dict[int, str | None] = {}
-    for i, shard in enumerate(shards):
-        mine = known[order[bounds[i]:bounds[i + 1]]]  # references whose row is in this shard
+    for i, shard in enumerate(live.manifest.shards):
+        mine = known[shard_of == i]  # references whose row is in this shard
         if len(mine):
-            rows = out.index_id[mine] - shard.id_start
-            stored = read_rows(_embeddings(live.uri, shard), rows, COMPARED, missing_ok=True)
-            _compare_shard(refs, mine, stored, out, prints)
+            where, rows = _embeddings(live.uri, shard), index_ids[row[mine]] - shard.id_start
+            differ = _compare_shard(refs, mine, read_rows(where, rows, COMPARED, missing_ok=True), out)
+            if len(differ):  # the stored fingerprints of the items whose stamp changed
+                old = read_rows(where, rows[differ], [FINGERPRINT], missing_ok=True)[FINGERPRINT]
+                prints.update(zip(mine[differ].tolist(), old.cast(pa.string()).to_pylist(), strict=True))
     out.prints = [prints[i] for i in np.flatnonzero((row >= 0) & ~out.same_stamp)]
     return out
 
 
-def _compare_shard(refs: pa.Table, rows: np.ndarray, stored: pa.Table, out: _Stored, prints: dict) -> None:
-    """Compare the references ``rows`` with their stored rows (in the same order)."""
-    listed = refs.select([STAMP, *DESCRIBED_BY]).take(pa.array(rows))
+def _compare_shard(refs: pa.Table, rows: np.ndarray, stored: pa.Table, out: _Stored) -> np.ndarray:
+    """Compare the references ``rows`` with their stored rows (in the same order); returns the positions
+    (in ``rows``) of those whose stamp differs."""
+    listed = take_rows(refs.select(COMPARED), rows)
     same_stamp = _equal(listed[STAMP], stored[STAMP])
     out.same_stamp[rows] = same_stamp
     out.same_desc[rows] = _same_description(listed, stored)
-    if not same_stamp.all():
-        differ = np.flatnonzero(~same_stamp)
-        old = stored[FINGERPRINT].cast(pa.string()).take(pa.array(differ)).to_pylist()
-        prints.update(zip(rows[differ].tolist(), old, strict=True))
+    return np.flatnonzero(~same_stamp)
 
 
 def restamped_rows(uri: str, manifest: Manifest, plan_: Plan) -> pa.Table | None:
@@ -255,7 +261,7 @@ def _taken_rejects(refs: pa.Table, taken: np.ndarray, keys: pa.Table, row: np.nd
                    ) -> list[dict]:
     """A reject for each reference whose item id another catalogue has indexed (the plan leaves it out)."""
     clash = refs.filter(pa.array(taken))
-    owner = keys[CATALOGUE].take(pa.array(row[taken])).to_pylist()
+    owner = take_rows(keys[CATALOGUE], row[taken]).to_pylist()
     rejects = []
     for ref, where in zip(clash.to_pylist(), owner, strict=True):
         rejects.append(Reject(item_id=ref[ITEM_ID], dataset=ref[DATASET], reason="duplicate_item_id",
@@ -295,10 +301,11 @@ def _hash_equal(refs: pa.Table, old: list) -> np.ndarray:
 
 
 def _restamp_source(refs: pa.Table, index_id: np.ndarray, restamp: np.ndarray) -> pa.Table:
-    """Global id of each restamped item's row, with the listing's stamp and description columns."""
+    """Global id of each restamped item's row (``index_id``, in order), with the listing's stamp and
+    description columns."""
     chosen = plain(refs.filter(pa.array(restamp)))
-    return pa.table({INDEX_ID: pa.array(index_id[restamp]), ITEM_ID: chosen[ITEM_ID], STAMP: chosen[STAMP],
-                     **{c: chosen[c] for c in DESCRIBED_BY}})
+    return pa.table({INDEX_ID: pa.array(index_id.astype(np.int64)), ITEM_ID: chosen[ITEM_ID],
+                     STAMP: chosen[STAMP], **{c: chosen[c] for c in DESCRIBED_BY}})
 
 
 def _embeddings(uri: str, shard: ShardEntry) -> str:
