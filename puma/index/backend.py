@@ -46,7 +46,7 @@ def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
     import faiss
 
     try:
-        return faiss.extract_index_ivf(index)
+        return faiss.downcast_index(faiss.extract_index_ivf(index))  # its own class: IndexIVFPQ, ...
     except RuntimeError:
         return None
 
@@ -59,6 +59,8 @@ def train_index(index: faiss.Index, x: np.ndarray, use_gpu: bool) -> faiss.Index
     if ivf is None:
         return index  # flat: nothing to learn
     _check_train_size(ivf, len(x))
+    if isinstance(ivf, faiss.IndexIVFPQ):  # polysemous codes serve Hamming-filtered search, not used here;
+        ivf.do_polysemous_training = False  # its training took most of a PQ index's (10 s on 300 vectors)
     gpu_flat = None
     if gpus_available(use_gpu):  # k-means assignment on all GPUs; the reference keeps it alive
         gpu_flat = faiss.index_cpu_to_all_gpus(faiss.IndexFlat(ivf.d, ivf.metric_type))
