@@ -63,7 +63,7 @@ from puma.serve.partitions import ORDER, Partition, index_bytes
 
 log = logging.getLogger(__name__)
 HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CLASS_NAME, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA]
-_NAMES = pa.dictionary(pa.int32(), pa.string())  # few distinct values: stored once, 4 bytes a row
+_NAMES = pa.dictionary(pa.int32(), pa.string())  # few distinct values, stored once; codes narrowed to fit
 HIT_SCHEMA = pa.schema([(ITEM_ID, pa.string()), (DATASET, _NAMES), (LABEL, pa.int32()), (CLASS_NAME, _NAMES),
                         (CATALOGUE, _NAMES), (IMAGE_URI, pa.string()), (IMAGE_ROW, pa.int32()),
                         (METADATA, pa.string())])  # int32 where the values fit (else kept int64)
