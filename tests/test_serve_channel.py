@@ -114,6 +114,47 @@ def test_the_fan_out_over_the_channels_answers_600_queries_exactly_like_one_inde
         close(parts)
 
 
+def test_calls_that_wait_together_share_one_search_and_answer_as_each_alone(index: str):
+    """The channel's batched search_part: the unfiltered calls of a batch are one FAISS search per
+    version, trimmed to each call's k; filtered and malformed calls get their own answers, in order."""
+    part = partition(index, 0, 2)
+    try:
+        rng = np.random.default_rng(3)
+        q = rng.standard_normal((12, DIM)).astype(np.float32)
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+        calls = [[q[i], int(rng.integers(1, 20)), ["cub"] if i % 4 == 1 else [], [], ""] for i in range(12)]
+        calls[5][0] = np.ones(DIM + 2, np.float32)  # a wrong length: its own 422, the others answered
+        alone = []
+        for call in calls:
+            try:
+                alone.append(part._search_part_sent(*call))
+            except RequestError as exc:
+                alone.append(exc)
+        frames = part.channel._answer_all([[i, "search_part", call] for i, call in enumerate(calls)])
+        answers = [read_answer(f) for f in frames]
+        assert [a[0] for a in answers] == list(range(12))
+        assert answers[5][1] == 422 and isinstance(alone[5], RequestError)
+        for i, (_, status, value) in enumerate(answers):
+            if i != 5:
+                assert status == 0 and value == normalised(alone[i]), f"call {i}"
+        assert sum(len(a[2]["hits"]) for a in answers if a[1] == 0) > 50
+    finally:
+        close([part])
+
+
+def read_answer(frame: bytes) -> list:
+    from puma.serve.channel import unpack
+
+    return unpack(frame[LENGTH.size:])
+
+
+def normalised(answer: dict) -> dict:
+    """An answer as it crosses the channel (tuples become lists)."""
+    from puma.serve.channel import unpack
+
+    return unpack(pack(answer)[LENGTH.size:])
+
+
 def test_a_client_without_the_apps_token_is_refused(index: str):
     part = partition(index, 0, 1)
     address = tuple(part.address())

@@ -293,7 +293,8 @@ class IndexPartition:
         self.channel = None
         if channel_token:
             self.channel = ChannelServer({"search_part": self._search_part_sent, "vector_of": self.vector_of},
-                                         channel_token, channel_host(), channel_threads)
+                                         channel_token, channel_host(), channel_threads,
+                                         batched={"search_part": self._search_parts_sent})
             self.channel.start()
 
     def address(self) -> list:
@@ -325,6 +326,29 @@ class IndexPartition:
                           version: str) -> dict:
         """search_part as the channel calls it (its frames carry tuples as lists)."""
         return self.search_part(vector, int(k), tuple(datasets), tuple(catalogues), version)
+
+    def _search_parts_sent(self, calls: list[list]) -> list:
+        """Many channel search_part calls at once: the unfiltered ones of each version share one FAISS
+        search (trimmed to each call's k: the same hits as alone); the others run one by one."""
+        out: list = [None] * len(calls)
+        plain = [i for i, call in enumerate(calls) if not call[2] and not call[3]]  # no dataset/catalogue
+        for version in dict.fromkeys(calls[i][4] for i in plain):
+            rows = [i for i in plain if calls[i][4] == version]
+            try:
+                with self.index.served.use(version) as live:
+                    answers = live.search_parts([calls[i][0] for i in rows],
+                                                max(int(calls[i][1]) for i in rows))
+            except RequestError:
+                continue  # e.g. one vector of a wrong length: each call gets its own answer below
+            for i, answer in zip(rows, answers, strict=True):
+                out[i] = {**answer, "hits": answer["hits"][:int(calls[i][1])]}
+        for i, call in enumerate(calls):
+            if out[i] is None:
+                try:
+                    out[i] = self._search_part_sent(*call)
+                except RequestError as exc:
+                    out[i] = exc
+        return out
 
     def vector_of(self, item_id: str, version: str) -> np.ndarray | None:
         with self.index.served.use(version) as live:

@@ -107,10 +107,12 @@ class ChannelServer:
     worker takes its share of those waiting and answers them in one go in its thread (FAISS releases
     the GIL: the workers' searches overlap)."""
 
-    def __init__(self, methods: dict[str, Callable], token: str, host: str, threads: int = 2) -> None:
+    def __init__(self, methods: dict[str, Callable], token: str, host: str, threads: int = 2,
+                 batched: dict[str, Callable] | None = None) -> None:
         if not token:
             raise ValueError("the partition channel needs a non-empty token")
         self.methods, self.token, self.host, self.threads = methods, token, host, max(1, threads)
+        self.batched = batched or {}  # name -> f(list of args) -> a result or a RequestError per call
         self.address: tuple[str, int] | None = None
         self.requests = 0  # answered so far
         self._ongoing = 0  # received, not yet answered
@@ -228,7 +230,24 @@ class ChannelServer:
             self.requests += len(batch)
 
     def _answer_all(self, requests: list) -> list[bytes]:
-        return [self._answer(request) for request in requests]
+        """Answer frames in request order; calls of a method with a batched form that wait together
+        run as one call of it (e.g. one FAISS search for the queries of a batch)."""
+        frames: list = [None] * len(requests)
+        for name, run in self.batched.items():
+            rows = [i for i, r in enumerate(requests) if _well_formed(r) and r[1] == name]
+            if len(rows) < 2:
+                continue
+            try:
+                results = run([requests[i][2] for i in rows])
+            except Exception:  # noqa: BLE001 - answered one by one below, each with its own error
+                log.exception("partition channel: a batch of %d %s calls failed", len(rows), name)
+                continue
+            for i, result in zip(rows, results, strict=True):
+                rid = requests[i][0]
+                frames[i] = pack([rid, result.status, result.reason] if isinstance(result, RequestError)
+                                 else [rid, 0, result])
+        return [frame if frame is not None else self._answer(r) for frame, r in zip(frames, requests,
+                                                                                     strict=True)]
 
     def _answer(self, request) -> bytes:
         """One request's answer frame: [id, 0, result] or [id, status, reason]."""
@@ -251,6 +270,10 @@ class ChannelServer:
             self._load[0] += self._ongoing * (now - self._load[2])
             self._load[2] = now
             self._ongoing += delta
+
+
+def _well_formed(request) -> bool:
+    return isinstance(request, list) and len(request) == 3 and isinstance(request[2], list)
 
 
 def _no_delay(writer: asyncio.StreamWriter) -> None:

@@ -178,12 +178,17 @@ class LiveIndex:
             return {"hits": [], "items": 0, "unknown": _named(datasets, catalogues)}
         allowed, unknown = self._allowed(state, datasets, catalogues, strict=False)
         scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
-        hits = _hits(state, scores[0], ids[0])
-        keep = ids[0] >= 0
-        sign = -1.0 if state.manifest.metric == "ip" else 1.0
-        for hit, score, gid in zip(hits, scores[0][keep], state.index.global_ids(ids[0][keep]), strict=True):
-            hit[ORDER] = (sign * float(score), int(gid))
-        return {"hits": hits, "items": state.items, "unknown": unknown}
+        return _part_answer(state, scores[0], ids[0], unknown)
+
+    def search_parts(self, vectors: list[np.ndarray], k: int) -> list[dict]:
+        """``search_part`` of many unfiltered queries at once: one FAISS call for the batch (Q, E)."""
+        for vector in vectors:
+            self.check_vector(vector)
+        state = self.state
+        if state.index is None or not state.items:
+            return [{"hits": [], "items": 0, "unknown": []} for _ in vectors]
+        scores, ids = state.index.search_ids(np.stack(vectors), min(k, state.items))  # (Q, k)
+        return [_part_answer(state, s, i, []) for s, i in zip(scores, ids, strict=True)]
 
     def holds(self, item_id: str) -> bool:
         """Whether this index (partition) holds the live item ``item_id``."""
@@ -404,6 +409,16 @@ def _hits(state: State, scores: np.ndarray, ids: np.ndarray) -> list[dict]:
         row[CLASS_NAME] = row[CLASS_NAME] or ""
     return [{"rank": rank, "score": round(float(score), 6), **row}
             for rank, (score, row) in enumerate(zip(scores[keep].tolist(), rows, strict=True), start=1)]
+
+
+def _part_answer(state: State, scores: np.ndarray, ids: np.ndarray, unknown: list) -> dict:
+    """A partition's answer: its hits for (k,) scores and rows, each carrying its merge order."""
+    hits = _hits(state, scores, ids)
+    keep = ids >= 0
+    sign = -1.0 if state.manifest.metric == "ip" else 1.0
+    for hit, score, gid in zip(hits, scores[keep], state.index.global_ids(ids[keep]), strict=True):
+        hit[ORDER] = (sign * float(score), int(gid))
+    return {"hits": hits, "items": state.items, "unknown": unknown}
 
 
 def _mask(index: ShardedIndex, column: str, names: tuple[str, ...],
