@@ -290,7 +290,7 @@ def seed_index(ws: Workspace, n: int, sources: list[Path]) -> dict:
     from puma.index.plan import plan_index
     from puma.index.table import EMBEDDING, FINGERPRINT, IMAGE_URI, ITEM_ID
     from puma.index.versions import promote, version_name, version_uri
-    from puma.inference.catalogue import catalogue_name, list_catalogue
+    from puma.inference.catalogue import catalogue_name, list_catalogue, plain
     from puma.inference.embedder import OUTPUT_COLUMNS, fingerprint
 
     start = time.monotonic()
@@ -314,7 +314,7 @@ def seed_index(ws: Workspace, n: int, sources: list[Path]) -> dict:
                  % len(sources)]
     create_index(uri, cfg, sample, expected_items=n, model_id=model_id, checkpoint=str(ws.checkpoint))
     for lo in range(0, len(refs), cfg.shard_size):
-        part = refs.slice(lo, cfg.shard_size)
+        part = plain(refs.slice(lo, cfg.shard_size))  # the listing's dictionary columns as plain strings
         p = photo[lo:lo + cfg.shard_size]
         x = emb[p % len(sources)]
         block = part.set_column(part.schema.get_field_index(FINGERPRINT), FINGERPRINT,

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue", action="append", default=[], help="catalogue URI (repeatable)")
     parser.add_argument("--watch", default="",
                         help="reconcile every catalogue (sub-folder or table) under this prefix")
-    args, cfg = parse_job_args(parser, argv)
+    args, cfg = parse_job_args(parser, argv, model_checks=False)  # the model is the checkpoint's
     if cfg is None:
         return 0
     if bool(args.catalogue) == bool(args.watch):

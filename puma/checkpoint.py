@@ -25,17 +25,17 @@ import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from puma import library_versions, storage
 from puma.config import Config, dump_yaml, from_dict, to_dict
 from puma.errors import UserError
 from puma.run_folder import BEST_POINTER, RunFolder, folder_name
+
+if TYPE_CHECKING:  # torch is imported where tensors are made or read: a job that needs only a checkpoint's
+    import torch  # config and model id (a catalogue run with nothing to embed) does not pay for it
 
 MODEL_FILE = "model.safetensors"
 LOSS_FILE = "loss.safetensors"
@@ -71,6 +71,8 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(uri: str, state: CheckpointState) -> str:
     """Write ``state`` under ``uri``; meta.json (with every file's sha256) last, so it marks completeness."""
+    from safetensors.torch import save as st_save
+
     storage.makedirs(uri)
     files = {MODEL_FILE: st_save(_cpu(state.model)), LOSS_FILE: st_save(_cpu(state.loss))}
     meta = dict(state.meta, versions=library_versions(LIBRARIES))
@@ -150,14 +152,19 @@ def _checksum_error(uri: str, name: str, data: bytes, meta: dict, parses: bool) 
                             "file or use another checkpoint")
 
 
-def read_checkpoint(uri: str, with_optimizer: bool = False) -> CheckpointState:
+def read_checkpoint(uri: str, with_optimizer: bool = False, weights: bool = True) -> CheckpointState:
     """Read a checkpoint written by :func:`save_checkpoint` (safetensors + YAML + JSON only).
 
     ``uri`` may be a best/ folder with a pointer; every file is checked against its recorded sha256.
+    ``weights=False``: the config and meta only (model and loss empty; the model file's checksum is
+    still checked), without importing torch: enough for :func:`checkpoint_id` and the eval view.
     """
     uri = resolve_checkpoint(uri)
     meta = read_meta(uri)
     config = _read_config(uri, meta)
+    if not weights:
+        _check_file(uri, MODEL_FILE, meta)
+        return CheckpointState(config=config, model={}, meta=meta)
     model = read_weights(uri, MODEL_FILE, meta)
     loss = read_weights(uri, LOSS_FILE, meta)
     optimizer = None
@@ -181,12 +188,44 @@ def _read_config(uri: str, meta: dict[str, Any]) -> Config:
                               "damaged; use another checkpoint") from exc
 
 
+def _check_file(uri: str, name: str, meta: dict[str, Any]) -> None:
+    """A safetensors file of a checkpoint is whole (its header read, no torch) and has the bytes it was
+    saved with (when a checksum was recorded); refused as read_weights refuses it."""
+    data = _read_file(uri, name, meta)
+    broken = _safetensors_problem(data)
+    if broken:
+        error = _checksum_error(uri, name, data, meta, parses=False)
+        raise error or _incomplete(uri, f"{storage.join(uri, name)} is truncated or corrupt ({len(data)} "
+                                        f"bytes; {broken}): use another checkpoint")
+    error = _checksum_error(uri, name, data, meta, parses=True)
+    if error is not None:
+        raise error
+
+
+def _safetensors_problem(data: bytes) -> str:
+    """Why ``data`` is not a whole safetensors file ('' when its header parses and its tensors end where
+    the file ends)."""
+    if len(data) < 8:
+        return "shorter than a safetensors header"
+    size = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8:8 + size])
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "its header is not safetensors JSON"
+    if 8 + size + end != len(data):
+        return f"its tensors end at byte {8 + size + end}"
+    return ""
+
+
 def read_weights(uri: str, name: str, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     """One safetensors file of a checkpoint; a missing, truncated, corrupt or edited file is refused.
 
     A checkpoint written since file checksums were recorded (meta.json ``files``) must still hold
     the bytes it was saved with; a truncated file in an older checkpoint is caught by parsing it.
     """
+    from safetensors.torch import load as st_load
+
     data = _read_file(uri, name, meta)
     try:
         tensors = st_load(data)
@@ -203,6 +242,8 @@ def read_weights(uri: str, name: str, meta: dict[str, Any]) -> dict[str, torch.T
 
 def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split a torch optimiser state_dict into safetensors-ready tensors and a JSON layout."""
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, pstate in state_dict["state"].items():
@@ -244,23 +285,29 @@ PROBE_SEED, PROBE_BATCH = 1234, 2
 
 def probe_images(img_size: int) -> torch.Tensor:
     """A fixed batch (2, 3, H, W) whose embeddings are stored with a checkpoint as its fingerprint."""
+    import torch
+
     gen = torch.Generator().manual_seed(PROBE_SEED)
     return torch.randn(PROBE_BATCH, 3, img_size, img_size, generator=gen)
 
 
-@torch.no_grad()
 def probe_embeddings(model: torch.nn.Module, img_size: int) -> list[list[float]]:
     """The eval-mode embeddings of :func:`probe_images` (restores the model's train/eval mode)."""
+    import torch
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    out = model(probe_images(img_size).to(device)).float().cpu()
+    with torch.no_grad():
+        out = model(probe_images(img_size).to(device)).float().cpu()
     model.train(was_training)
     return out.tolist()
 
 
 def verify_probe(model: torch.nn.Module, meta: dict, img_size: int, source: str, atol: float = 1e-4) -> None:
     """Check that a reloaded model reproduces the embeddings stored at save time."""
+    import torch
+
     if "probe" not in meta:
         return
     expected = torch.tensor(meta["probe"])
@@ -307,7 +354,7 @@ def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
     import yaml
 
     uri = resolve_checkpoint(uri)
-    state = state or read_checkpoint(uri)
+    state = state or read_checkpoint(uri, weights=False)
     recorded = yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))) or {}
     model_cfg = recorded.get("model") or to_dict(state.config.model)
     model_cfg.get("backbone", {}).pop("weights", None)

@@ -41,23 +41,29 @@ def job_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    """Defaults -> --config (or $PUMA_CONFIG, or the demo config) -> overrides, then the method's own
-    config checks."""
+def resolve_config(args: argparse.Namespace, model_checks: bool = True) -> Config:
+    """Defaults -> --config (or $PUMA_CONFIG, or the demo config) -> overrides, then (``model_checks``)
+    the method's own config checks. A job whose model comes from a checkpoint's own config (embedding,
+    serving) leaves them out: they import torch and every method, seconds of a run that embeds nothing."""
+    if not model_checks:
+        from puma.config import load_config
+
+        return load_config(args.config or default_config(), args.overrides)
     from puma.methods import load_config  # torch and every method: not for --help / --help-config
 
     return load_config(args.config or default_config(), args.overrides)
 
 
-def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace,
-                                                                                     Config | None]:
-    """Parse argv; returns (args, None) when the job should exit early (help printed, bad config)."""
+def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+                   model_checks: bool = True) -> tuple[argparse.Namespace, Config | None]:
+    """Parse argv; returns (args, None) when the job should exit early (help printed, bad config).
+    ``model_checks``: run the configured method's checks (see resolve_config)."""
     args = parser.parse_args(argv)
     console.set_verbose(args.verbose)
     if args.help_config:
         print("\n".join(help_config_lines()))
         return args, None
-    cfg = resolve_config(args)  # a bad config or a missing file: a UserError, one line (run_job)
+    cfg = resolve_config(args, model_checks)  # a bad config or a missing file: a UserError, one line
     if args.print_config:
         print(dump_yaml(cfg))
         return args, None

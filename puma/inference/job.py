@@ -137,6 +137,7 @@ class EmbedReport:
     total: int = 0  # items in the index after this run
     promoted: str = ""  # the version this run made live ('' when none)
     seconds: float = 0.0
+    plan_seconds: float = 0.0  # listing, stamping and comparing with the index (no image decoded)
     error: str = ""  # watch: why this catalogue failed ('' when it did not)
 
     def summary(self) -> str:
@@ -148,7 +149,8 @@ class EmbedReport:
                 f"added {self.added}, changed {self.changed}, removed {self.removed}, "
                 f"restamped {self.restamped}; rejected {self.rejected}{self._reasons()}, "
                 f"{len(self.shards_added)} shard(s) added, {len(self.compacted)} compacted, "
-                f"index total {self.total}{version} ({self.seconds:.1f} s)")
+                f"index total {self.total}{version} ({self.seconds:.1f} s, "
+                f"planned in {self.plan_seconds:.1f} s)")
 
     def _reasons(self) -> str:
         return f" {self.reject_reasons}" if self.reject_reasons else ""
@@ -329,7 +331,7 @@ class _Run:
 def _prepare_run(cfg: Config, catalogue: str, location: str, checkpoint: str) -> _Run:
     """The model id from the checkpoint (its own config), the index to write, a report."""
     checkpoint = follow_pointer(checkpoint)  # best/ -> its version now: the id and all actors read one model
-    state = read_checkpoint(checkpoint)
+    state = read_checkpoint(checkpoint, weights=False)  # config and id: no torch for a no-op
     model_cfg = state.config
     model_id = checkpoint_id(checkpoint, state)
     version = "" if is_legacy(location) else version_name(model_id)
@@ -353,7 +355,9 @@ def _check_model(run: _Run) -> None:
 
 def _reconcile(run: _Run, split: str) -> None:
     """Plan against the committed index, embed what is new or changed, then the final commit."""
+    start = time.monotonic()
     todo = _todo(run, split)
+    run.report.plan_seconds = time.monotonic() - start
     if len(todo):
         _check_model(run)
         _embed_todo(run, todo)
