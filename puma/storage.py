@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
@@ -532,23 +533,39 @@ def stat_files(uris: Sequence[str]) -> list[FileStat | None]:
     keys) where that costs fewer requests than a HEAD per object (see ``_list_folder``), the others one
     HEAD each (threads). A listed object's write time is cut to whole seconds, as a HEAD gives it, so an
     object has one stamp however it was asked."""
-    out: list[FileStat | None] = [None] * len(uris)
-    local = [i for i, u in enumerate(uris) if not is_s3(u)]
-    if local:
-        infos = _local_fs().get_file_info([resolve(uris[i])[1] for i in local])
+    sizes, times, found = stat_arrays(uris)
+    return [FileStat(u, int(sizes[i]), int(times[i])) if found[i] else None for i, u in enumerate(uris)]
+
+
+def stat_arrays(uris: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``stat_files`` as arrays, no object per file: sizes (N,) int64, write times (N,) int64 ns, found
+    (N,) bool (False: missing, or not a file)."""
+    n = len(uris)
+    sizes, times, found = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+    s3 = [i for i, u in enumerate(uris) if u.startswith("s3://")]
+    if len(s3) < n:
+        local = [i for i, u in enumerate(uris) if not u.startswith("s3://")] if s3 else range(n)
+        # an absolute path is asked as it is (resolve's pathlib per file cost 17 s at 1M files)
+        infos = _local_fs().get_file_info([u if u.startswith("/") else resolve(u)[1]
+                                           for u in (uris[i] for i in local)])
         for i, info in zip(local, infos, strict=True):
-            out[i] = _stat(uris[i], info)
+            size = info.size  # None for a missing file or a folder
+            if size is not None:
+                sizes[i], times[i], found[i] = size, info.mtime_ns or 0, True
     folders: dict[str, list[int]] = {}
-    for i, uri in enumerate(uris):
-        if is_s3(uri):
-            folders.setdefault(uri.rsplit("/", 1)[0], []).append(i)
+    for i in s3:
+        folders.setdefault(uris[i].rsplit("/", 1)[0], []).append(i)
     if folders:
+        out: list[FileStat | None] = [None] * n
         _stat_s3(uris, folders, out)
-    return out
+        for i in s3:
+            if out[i] is not None:
+                sizes[i], times[i], found[i] = out[i].size, out[i].mtime_ns, True
+    return sizes, times, found
 
 
 def _stat(uri: str, info: pafs.FileInfo) -> FileStat | None:
-    return FileStat(uri, int(info.size or 0), _mtime_ns(info)) if info.type == pafs.FileType.File else None
+    return FileStat(uri, int(info.size or 0), _mtime_ns(info)) if info.is_file else None
 
 
 def _stat_s3(uris: Sequence[str], folders: dict[str, list[int]], out: list[FileStat | None]) -> None:

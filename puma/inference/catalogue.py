@@ -192,13 +192,10 @@ def _file_stamps(images: pa.Array | pa.ChunkedArray) -> pa.Array:
     first = first_rows(images)  # (N,) each row's first row with its image
     own = first == np.arange(len(first))
     distinct = images if own.all() else take_rows(images, np.flatnonzero(own))
-    sizes, times = np.zeros(len(distinct), np.int64), np.zeros(len(distinct), np.int64)
-    found = np.zeros(len(distinct), bool)
-    for lo in range(0, len(distinct), STAT_BATCH):
-        stats = storage.stat_files(distinct.slice(lo, STAT_BATCH).to_pylist())
-        found[lo:lo + len(stats)] = [s is not None for s in stats]
-        sizes[lo:lo + len(stats)] = [s.size if s else 0 for s in stats]
-        times[lo:lo + len(stats)] = [s.mtime_ns if s else 0 for s in stats]
+    parts = [storage.stat_arrays(distinct.slice(lo, STAT_BATCH).to_pylist())
+             for lo in range(0, len(distinct), STAT_BATCH)]
+    sizes, times, found = (np.concatenate([p[j] for p in parts]) if parts else np.zeros(0, t)
+                           for j, t in enumerate((np.int64, np.int64, bool)))
     text = stamps(sizes, times, found)
     if own.all():
         return text
