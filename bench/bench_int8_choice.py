@@ -29,6 +29,7 @@ from puma.export import embed, onnx_bytes, session  # noqa: E402
 
 VARIANTS = {"per tensor (ONNX Runtime's default)": {},
             "per channel": {"per_channel": True},
+            "per channel, 7-bit (taken)": {"per_channel": True, "reduce_range": True},
             "per channel, MatMul only": {"per_channel": True, "op_types_to_quantize": ["MatMul"]}}
 
 

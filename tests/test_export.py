@@ -100,7 +100,7 @@ def test_the_int8_copy_keeps_the_metadata_is_smaller_and_embeds_real_photos_like
     v = views(ckpt, photos(12))
     got, want = embed(sess8, v), embed(sess32, v)  # (12, E) each
     cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    assert cos.min() >= 0.995, cos  # measured 0.9988-0.9998 over tiny seeds 0-3 (int8 is lossy)
+    assert cos.min() >= 0.995, cos  # 0.9991-0.9996, seeds 0-3, AVX2-only EPYC (8-bit: 0.89)
     assert cos.max() < 1 - 1e-7, cos  # the weights really changed
 
 
