@@ -1,7 +1,7 @@
 """The catalogue loop and the search service at production size: a table catalogue of N rows over real
 photos, embedded, reconciled and served by the real jobs; every figure of one run recorded together.
 
-    python bench/bench_scale.py --n 1000000                   # the real jobs end to end (about 1.5 h here)
+    python bench/bench_scale.py --n 1000000                   # the real jobs end to end (about 25 min here)
     python bench/bench_scale.py --n 10000000 --seed-index     # 10M rows: the first embed through the
                                                               # index's commit path (below); the rest real
     python bench/bench_scale.py --n 20000 --requests 200      # a quick run of every step
@@ -15,7 +15,9 @@ files (distinct paths, shared bytes), as a catalogue whose photos sit in many fo
 tests' tiny PUMA checkpoint (16-d embeddings).
 
 Steps, each a real job in its own process (the driver's peak memory is that process's max RSS; Ray's
-workers are other processes):
+workers are other processes). A job is started through a small launcher process (``PEAK_LAUNCHER``):
+a process forked straight from this bench, which holds the N-row table, would report the bench's own
+peak, since Linux carries a forked process's high-water mark across its exec.
 
     first embed   jobs/embed.py on the new table: list, stamp, read, decode, embed, commit every row.
                   With --seed-index the rows are committed instead through the index's own commit path
@@ -33,6 +35,9 @@ workers are other processes):
                   and item-id queries from 1 and 8 clients.
     served after  a second 1% change embedded while the 1-partition service runs: seconds from the job's
                   start until the service answers from it (a removed item 404, an added one found).
+
+--reuse-index takes the index an earlier run left in the scratch folder (--keep, or a seeded one) as
+the first embed, and measures every later step.
 
 Results: bench/results/bench_scale_<N>.{json,md} (the scratch folder is kept for reruns: --keep).
 """
@@ -232,18 +237,29 @@ def job_env() -> dict:
     return dict(env, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
 
 
+PEAK_LAUNCHER = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""  # forks the job from a small process: its max RSS is its own (module docstring)
+
+
 def run_job(argv: list[str], log: Path) -> dict:
     """Run a job to the end in its own process: wall seconds, its max RSS (bytes), its output."""
     start = time.monotonic()
+    peak = log.with_suffix(".peak")
     with open(log, "w") as out:
-        proc = subprocess.Popen([PYTHON, *argv], cwd=REPO, env=job_env(), stdout=out,
-                                stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run([PYTHON, "-c", PEAK_LAUNCHER, str(peak), PYTHON, *argv], cwd=REPO,
+                              env=job_env(), stdout=out, stderr=subprocess.STDOUT)
     seconds = time.monotonic() - start
     text = log.read_text()
-    if os.waitstatus_to_exitcode(status) != 0:
+    if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed; its output ({log}):\n{text[-4000:]}")
-    return {"seconds": round(seconds, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,
+    return {"seconds": round(seconds, 1), "peak_rss_bytes": int(peak.read_text()),
             "report": parse_report(text)}
 
 
@@ -540,7 +556,7 @@ def run(args: argparse.Namespace) -> dict:
     ws = Workspace(root, Path(args.photos_dir), min(args.n, args.photos))
     make_photos(ws.photos, ws.photo_count, sources)
     make_links(ws, args.n)
-    if ws.index.exists():
+    if ws.index.exists() and not args.reuse_index:
         shutil.rmtree(ws.index)
     from tiny import make_checkpoint
 
@@ -548,8 +564,13 @@ def run(args: argparse.Namespace) -> dict:
         make_checkpoint(str(ws.checkpoint))
     np.save(ws.root / "source_embeddings.npy", source_embeddings(ws, sources))
     table = make_table(ws, args.n)
-    out: dict = {"n": args.n, "photo_files": ws.photo_count, "seeded": args.seed_index}
-    if args.seed_index:
+    out: dict = {"n": args.n, "photo_files": ws.photo_count, "seeded": args.seed_index or args.reuse_index}
+    if args.reuse_index:
+        if not ws.index.exists():
+            raise SystemExit(f"--reuse-index: no index at {ws.index}; run with --keep or --seed-index first")
+        out["first"] = {"seconds": "-", "report": {},
+                        "how": "the index an earlier run of this bench left (--reuse-index)"}
+    elif args.seed_index:
         out["first"] = seed_index(ws, args.n, sources)
     else:
         out["first"] = run_job(embed_argv(ws, args.set), root / "first.log")
@@ -583,7 +604,8 @@ def markdown(out: dict) -> str:
     n = out["n"]
     first, noop, change = out["first"], out["noop"], out["change"]
     ratio = change["seconds"] / first["seconds"] if not out["seeded"] else None
-    how = "seeded through the commit path (no image embedded)" if out["seeded"] else "jobs/embed.py"
+    how = out["first"].get("how", "seeded through the commit path (no image embedded)") if out["seeded"] \
+        else "jobs/embed.py"
     lines = [f"Catalogue: a CSV table of {n:,} rows, {out['photo_files']:,} distinct photo files "
              f"(rows past them: hard links), the tiny PUMA model (16-d). First embed: {how}.",
              "", "| step | seconds | driver peak | embedded | added | changed | removed |",
@@ -631,6 +653,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--photos-dir", default="/tmp/puma-scale-photos", help="where the photo files are kept")
     p.add_argument("--scratch", default="", help="scratch folder (default /tmp/puma-scale-<n>)")
     p.add_argument("--seed-index", action="store_true", help="commit the first embed (module docstring)")
+    p.add_argument("--reuse-index", action="store_true",
+                   help="the index an earlier run left is the first embed")
     p.add_argument("--change", type=float, default=0.01, help="fraction of rows changed")
     p.add_argument("--requests", type=int, default=2000, help="queries per (kind, clients) row")
     p.add_argument("--partitions", type=int, nargs="+", default=[1, 2])
