@@ -20,6 +20,7 @@ from puma.index.filtered import FULL_SCAN_SHARE, filtered_nprobe
 from puma.index.filters import FilterError, parse_filter
 from puma.index.search import Holding, ShardedIndex
 from puma.index.table import embedding_matrix
+from puma.inference.search import run_search
 from puma.serve.errors import RequestError
 from puma.serve.live_index import LiveIndex
 from puma.serve.partitions import Partition
@@ -233,3 +234,28 @@ def test_the_service_filters_like_the_index_in_one_and_three_partitions(tmp_path
     stats = asyncio.run(fan.stats_async())
     assert stats["filterable"] == one.stats()["filterable"]
     assert stats["filterable"]["category"]["values"] == sorted(CATEGORIES)
+
+
+def test_jobs_search_filters_like_the_index(tmp_path):
+    """jobs/search.py's run_search with a filter: each query's results are the brute-force top-k of the
+    matching rows (Flat), fewer when fewer match; item queries leave the item out."""
+    index = built(tmp_path, "flat")
+    vectors, rows = all_vectors(index), rows_of(index)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((6, DIM)).astype(np.float32)
+    np.save(tmp_path / "q.npy", q)
+    cfg = IndexConfig(uri=str(tmp_path / "flat"), use_gpu=False)
+    for raw in ({"and": [{"category": "boots"}, {"price": {"lt": 50}}, {"in_stock": True}]},
+                {"brand": "brand-3", "stock": {"lt": 5}}, {"or": [{"label": 2}, {"tags": {"exists": True}}]}):
+        where = parse_filter(raw)
+        keep = np.array([matches(raw, r) and live for r, live in zip(rows, index.live, strict=True)])
+        out = run_search(cfg, 12, str(tmp_path / "q.npy"), out_uri=str(tmp_path / "r.parquet"), where=where)
+        for i in range(len(q)):
+            got = [r["item_id"] for r in out.results.to_pylist() if r["query"] == f"q{i}"]
+            want = index.to_item_ids(np.array(brute_force(vectors, keep, q[i], 12), dtype=np.int64)).tolist()
+            assert got == want, (raw, i)
+    item = rows[int(np.flatnonzero(index.live)[0])]["item_id"]
+    out = run_search(cfg, 5, item_ids=[item], out_uri=str(tmp_path / "i.parquet"),
+                     where=parse_filter({"category": "heels"}))
+    assert len(out.results) == 5 and item not in out.results["item_id"].to_pylist()
+    assert set(json.loads(m)["category"] for m in out.results["metadata"].to_pylist()) == {"heels"}
