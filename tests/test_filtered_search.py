@@ -16,8 +16,8 @@ from test_serve_partitions import LocalFanOut
 from puma.config import IndexConfig
 from puma.index import build_index
 from puma.index.build import commit_changes, compact
-from puma.index.filtered import FULL_SCAN_SHARE, filtered_nprobe
-from puma.index.filters import FilterError, parse_filter
+from puma.index.filtered import FULL_SCAN_SHARE, filter_table, filtered_nprobe, merged_types
+from puma.index.filters import FilterError, evaluate, parse_filter
 from puma.index.search import Holding, ShardedIndex
 from puma.index.table import embedding_matrix
 from puma.inference.search import run_search
@@ -259,3 +259,20 @@ def test_jobs_search_filters_like_the_index(tmp_path):
                      where=parse_filter({"category": "heels"}))
     assert len(out.results) == 5 and item not in out.results["item_id"].to_pylist()
     assert set(json.loads(m)["category"] for m in out.results["metadata"].to_pylist()) == {"heels"}
+
+
+def test_a_csv_tables_text_cells_filter_as_numbers_and_booleans():
+    """A CSV table's metadata is stored as text: plain numbers filter as numbers, true/false as
+    booleans, and text with a leading zero (a zip code) stays text."""
+    rows = [{"price": "10", "weight": "2.5", "in_stock": "true", "zip": "02134", "size": "42"},
+            {"price": "7", "weight": "1e3", "in_stock": "false", "zip": "10001", "size": "XL"},
+            {"price": "-3", "in_stock": "true", "zip": "94103"}, {}]
+    table = filter_table(pa.table({"metadata": [json.dumps(r) for r in rows]}))
+    types = merged_types([table])
+    assert {c: types[c] for c in ("price", "weight", "in_stock", "zip", "size")} == \
+        {"price": "number", "weight": "number", "in_stock": "boolean", "zip": "string", "size": "string"}
+    assert table["price"].type == pa.int64() and table["weight"].type == pa.float64()
+    cheap = parse_filter({"price": {"lt": 8}, "in_stock": True})
+    assert evaluate(cheap, table).tolist() == [False, False, True, False]
+    assert evaluate(parse_filter({"weight": {"gte": 2.5}}), table).tolist() == [True, True, False, False]
+    assert evaluate(parse_filter({"zip": "02134"}), table).tolist() == [True, False, False, False]

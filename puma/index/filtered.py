@@ -3,9 +3,11 @@ shards, and how far an IVF search must look to return an exact filtered top-k.
 
 A shard's filter table (``filter_table``) holds the built-in columns dataset, catalogue, label and
 class_name and the metadata's typed columns (``puma.index.filters.metadata_columns``: a catalogue
-table's other columns, numbers as numbers, true/false as booleans). A metadata key named like a
-built-in column is shadowed by it. String columns whose values repeat are dictionary-encoded, so a
-category or brand costs a byte or two per item.
+table's other columns, numbers as numbers, true/false as booleans). A CSV table's cells are stored
+as text, so a text column whose every value is a plain number (``-12``, ``4.5``, ``1e3``; no leading
+zero, so ``02134`` stays text) is a number column, and one of only ``true`` and ``false`` a boolean
+column (``typed_text``). A metadata key named like a built-in column is shadowed by it. String columns
+whose values repeat are dictionary-encoded, so a category or brand costs a byte or two per item.
 
 Exactness on IVF (``filtered_nprobe``): a filter that keeps a fraction f of the items leaves about f of
 each inverted list's items, so a search that visits nprobe / f lists meets as many matching candidates
@@ -40,8 +42,31 @@ def filter_table(columns: pa.Table) -> pa.Table:
     built_in = {name: _compact(columns.column(name)) if name in have else pa.nulls(n, pa.string())
                 for name in BUILT_IN}
     meta = metadata_columns(columns.column(METADATA)) if METADATA in columns.column_names else pa.table({})
-    extra = {name: _compact(meta.column(name)) for name in meta.column_names if name not in built_in}
+    extra = {name: _compact(typed_text(meta.column(name)))
+             for name in meta.column_names if name not in built_in}
     return pa.table({**built_in, **extra})
+
+
+PLAIN_NUMBER = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
+PLAIN_INTEGER = r"^-?(0|[1-9][0-9]{0,17})$"  # fits int64
+
+
+def typed_text(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A text column of plain numbers as numbers (int64 when every value is an integer), of only "true"
+    and "false" as booleans; any other column as it is. Nulls stay null."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    text = pa.types.is_string(array.type) or pa.types.is_large_string(array.type)
+    if not text or array.null_count == len(array):
+        return array
+    values = array.drop_null()
+    if pc.all(pc.match_substring_regex(values, PLAIN_NUMBER)).as_py():
+        whole = pc.all(pc.match_substring_regex(values, PLAIN_INTEGER)).as_py()
+        return array.cast(pa.int64() if whole else pa.float64())
+    if pc.all(pc.is_in(values, value_set=pa.array(["true", "false"]))).as_py():
+        return pc.equal(array, "true")
+    return array
 
 
 def _compact(column: pa.ChunkedArray | pa.Array) -> pa.Array:
