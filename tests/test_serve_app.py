@@ -355,11 +355,47 @@ def test_the_page_in_a_real_browser_uploads_a_photo_and_shows_the_grid(service, 
         assert "8 results for the image" in driver.find_element(By.ID, "status").text
         shot = tmp_path / "serve_page.png"
         assert driver.save_screenshot(str(shot))
+        check_the_filter_box(driver, wait, service, photo)
     finally:
         driver.quit()
     img = np.asarray(Image.open(shot).convert("RGB"))
     assert img.shape[1] == 1280 and img.std() > 20  # a page with photos, not a blank one
     print(f"screenshot: {shot}")
+
+
+def check_the_filter_box(driver, wait, service: dict, photo: Path) -> None:
+    """The page's filter box narrows the grid as the API narrows the same query; a hit's attribute,
+    clicked, joins the filter."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    def grid() -> list[str]:
+        return [h.get_attribute("data-item-id") for h in driver.find_elements(By.CSS_SELECTOR, "#grid .hit")]
+
+    def api(where: dict) -> list[str]:
+        query = urllib.parse.urlencode({"k": 8, "filter": json.dumps(where)})
+        status, _, body = call(service, "POST", f"search?{query}", photo.read_bytes(), "image/jpeg")
+        assert status == 200, body
+        return [h["item_id"] for h in body["hits"]]
+
+    assert "class_name (string" in driver.find_element(By.ID, "filter-columns").text
+    box = driver.find_element(By.ID, "filter")
+    box.send_keys('{"dataset": "cub"}' + Keys.ENTER)  # the same photo searched again, filtered
+    want = api({"dataset": "cub"})
+    assert want and all(i.startswith("cub/") for i in want)
+    wait.until(lambda d: grid() == want)
+    label = driver.find_elements(By.CSS_SELECTOR, '#grid .hit .attr[data-column="label"]')[0]
+    value = int(label.text.split()[-1])
+    label.click()
+    joined = {"and": [{"dataset": "cub"}, {"label": value}]}
+    wait.until(lambda d: json.loads(d.find_element(By.ID, "filter").get_attribute("value")) == joined)
+    want = api(joined)
+    assert 0 < len(want) < 8  # 4 photos per class: the filter left fewer than k
+    wait.until(lambda d: grid() == want)
+    box.clear()
+    box.send_keys('{"price": {"lt": 5}}' + Keys.ENTER)  # no such column: the API's 422 shown
+    wait.until(lambda d: "price" in d.find_element(By.ID, "status").text)
+    assert "error" in driver.find_element(By.ID, "status").get_attribute("class")
 
 
 def test_a_catalogue_embedded_by_the_embed_job_is_found_without_a_restart(service, capsys):

@@ -77,12 +77,12 @@ async def ask_many(one: LiveIndex, fan: PartitionedIndex, n: int, seed: int) -> 
         if i % 4 == 3:
             item, include_self = ids[int(rng.integers(len(ids)))], bool(i % 8 == 3)
             want = one.search_item(item, k, datasets, catalogues, include_self)
-            got = await fan.search_item(item, k, datasets, catalogues, include_self, "")
+            got = await fan.search_item(item, k, datasets, catalogues, include_self, None, "")
         else:
             q = rng.standard_normal(DIM).astype(np.float32)
             q /= np.linalg.norm(q)
             want = one.search_vector(q, k, datasets, catalogues)
-            got = await fan.search_vector(q, k, datasets, catalogues, "")
+            got = await fan.search_vector(q, k, datasets, catalogues, None, "")
         assert got == want, f"query {i} (k={k}, {datasets}, {catalogues})"
         compared += len(want)
     return compared
@@ -99,7 +99,7 @@ def test_the_fan_out_over_the_channels_answers_600_queries_exactly_like_one_inde
 
         async def run() -> tuple[int, list]:
             compared = await ask_many(one, fan, 600, seed=7)
-            together = await asyncio.gather(*(fan.search_vector(q, 10, (), (), "") for q in queries))
+            together = await asyncio.gather(*(fan.search_vector(q, 10, (), (), None, "") for q in queries))
             return compared, together
 
         compared, together = asyncio.run(run())
@@ -108,7 +108,7 @@ def test_the_fan_out_over_the_channels_answers_600_queries_exactly_like_one_inde
         answered = [p.channel.requests for p in parts]
         assert min(answered) >= 600 + 60  # every query reached both partitions over their channels
         with pytest.raises(RequestError) as bad:  # a partition's refusal crosses the channel as it is
-            asyncio.run(fan.search_vector(np.ones(DIM + 1, np.float32), 5, (), (), ""))
+            asyncio.run(fan.search_vector(np.ones(DIM + 1, np.float32), 5, (), (), None, ""))
         assert bad.value.status == 422 and f"holds {DIM}-dim" in bad.value.reason
     finally:
         close(parts)
@@ -122,7 +122,8 @@ def test_calls_that_wait_together_share_one_search_and_answer_as_each_alone(inde
         rng = np.random.default_rng(3)
         q = rng.standard_normal((12, DIM)).astype(np.float32)
         q /= np.linalg.norm(q, axis=1, keepdims=True)
-        calls = [[q[i], int(rng.integers(1, 20)), ["cub"] if i % 4 == 1 else [], [], ""] for i in range(12)]
+        calls = [[q[i], int(rng.integers(1, 20)), ["cub"] if i % 4 == 1 else [], [], None, ""]
+                 for i in range(12)]
         calls[5][0] = np.ones(DIM + 2, np.float32)  # a wrong length: its own 422, the others answered
         alone = []
         for call in calls:
@@ -164,7 +165,7 @@ def test_a_client_without_the_apps_token_is_refused(index: str):
 
         async def request_without_hello():
             reader, writer = await asyncio.open_connection(*address)
-            writer.write(pack([0, "search_part", [np.ones(DIM, np.float32), 5, [], [], ""]]))
+            writer.write(pack([0, "search_part", [np.ones(DIM, np.float32), 5, [], [], None, ""]]))
             reply = await read_frame(reader)
             rest = await reader.read()  # the server closed: b""
             writer.close()
@@ -182,7 +183,7 @@ def test_a_client_without_the_apps_token_is_refused(index: str):
         assert asyncio.run(huge_hello()) == b""
         with pytest.raises(RequestError) as refused:
             asyncio.run(fan_out([part], token="another-apps-token").search_vector(
-                np.ones(DIM, np.float32) / 4, 5, (), (), ""))
+                np.ones(DIM, np.float32) / 4, 5, (), (), None, ""))
         assert refused.value.status == 503 and "refused the channel" in refused.value.reason
         assert part.channel.requests == 0  # nothing was searched for them
     finally:
@@ -198,17 +199,17 @@ def test_a_partition_gone_gets_503_at_once_and_its_replacement_is_found_at_its_n
     q = one.vector_of("item/00042")
 
     async def scenario() -> dict:
-        seen = {"before": await fan.search_vector(q, 10, (), (), "")}
+        seen = {"before": await fan.search_vector(q, 10, (), (), None, "")}
         old = parts[1].address()
         parts[1].channel.stop()  # its replica died: the connection closes, the port refuses
         for attempt in ("first", "second"):  # the next learning still gives the dead address
             try:
-                await fan.search_vector(q, 10, (), (), "")
+                await fan.search_vector(q, 10, (), (), None, "")
             except RequestError as exc:
                 seen[attempt] = exc
         parts[1] = partition(index, 1, 2)  # Serve's replacement: a new port
         seen["moved"] = old != parts[1].address()
-        seen["after"] = await fan.search_vector(q, 10, (), (), "")
+        seen["after"] = await fan.search_vector(q, 10, (), (), None, "")
         return seen
 
     try:
@@ -229,7 +230,7 @@ def test_a_partition_that_hangs_gets_503_after_the_partition_timeout(index: str)
     fan = fan_out([live, hung], timeout_s=0.5)
     try:
         with pytest.raises(RequestError) as late:
-            asyncio.run(fan.search_vector(np.ones(DIM, np.float32) / 4, 5, (), (), ""))
+            asyncio.run(fan.search_vector(np.ones(DIM, np.float32) / 4, 5, (), (), None, ""))
     finally:
         release.set()
         hung.stop()

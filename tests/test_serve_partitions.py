@@ -71,11 +71,11 @@ def check_queries(one: LiveIndex, fan: LocalFanOut, n: int, seed: int) -> int:
         if i % 4 == 3:
             item, include_self = ids[int(rng.integers(len(ids)))], bool(i % 8 == 3)
             want = one.search_item(item, k, datasets, catalogues, include_self)
-            got = asyncio.run(fan.search_item(item, k, datasets, catalogues, include_self, ""))
+            got = asyncio.run(fan.search_item(item, k, datasets, catalogues, include_self, None, ""))
         else:
             q = rng.standard_normal(DIM).astype(np.float32)
             want = one.search_vector(q / np.linalg.norm(q), k, datasets, catalogues)
-            got = asyncio.run(fan.search_vector(q / np.linalg.norm(q), k, datasets, catalogues, ""))
+            got = asyncio.run(fan.search_vector(q / np.linalg.norm(q), k, datasets, catalogues, None, ""))
         assert got == want, f"query {i} (k={k}, {datasets}, {catalogues})"
         compared += len(want)
     return compared
@@ -115,10 +115,10 @@ def test_partitions_follow_new_shards_and_removals_and_refuse_like_one_index(tmp
         with pytest.raises(RequestError) as want:
             one.search_vector(q, 5, datasets, catalogues)
         with pytest.raises(RequestError) as got:
-            asyncio.run(fan.search_vector(q, 5, datasets, catalogues, ""))
+            asyncio.run(fan.search_vector(q, 5, datasets, catalogues, None, ""))
         assert want.value.status == got.value.status == status
     with pytest.raises(RequestError) as missing:
-        asyncio.run(fan.search_item("item/00007", 5, (), (), False, ""))
+        asyncio.run(fan.search_item("item/00007", 5, (), (), False, None, ""))
     assert missing.value.status == 404
 
 
@@ -132,7 +132,7 @@ def test_a_partition_without_shards_answers_empty_and_an_empty_index_is_503(tmp_
     for index in fan.parts:
         index.refresh()
     with pytest.raises(RequestError) as empty:
-        asyncio.run(fan.search_vector(np.ones(DIM, np.float32) / 4, 5, (), (), ""))
+        asyncio.run(fan.search_vector(np.ones(DIM, np.float32) / 4, 5, (), (), None, ""))
     assert empty.value.status == 503
 
 

@@ -29,6 +29,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +38,14 @@ import pyarrow as pa
 from puma import storage
 from puma.index import backend
 from puma.index.cache import ColumnFile, LocalCache, read_compact
+from puma.index.filtered import (
+    SOURCE_COLUMNS,
+    filter_table,
+    filtered_nprobe,
+    merged_description,
+    merged_types,
+)
+from puma.index.filters import Filter, check_filter, evaluate
 from puma.index.lookup import IdLookup, hash_id, hash_ids
 from puma.index.manifest import (
     FileEntry,
@@ -66,6 +75,7 @@ class Selection:
 
     bits: np.ndarray  # (ceil(size/8),) uint8, little-endian bit order
     size: int  # global ids covered
+    count: int = -1  # rows selected (-1: not counted); an IVF search looks further the fewer there are
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,7 @@ class Holding:
     schema: pa.Schema | None = None
     cache: LocalCache | None = None
     lists_on_disk: bool = False
+    filters: bool = False  # each shard's filter table (puma.index.filtered) held for filtered searches
 
     def __post_init__(self) -> None:
         if ITEM_ID not in self.columns + self.file_columns:
@@ -206,9 +217,11 @@ class ShardedIndex:
     def dim(self) -> int:
         return self.manifest.dim
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k over all shards: queries (Q, E) -> scores (Q, k) float32, item ids (Q, k) str."""
-        scores, ids = self.search_ids(queries, k, nprobe)
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None = None,
+               allowed: np.ndarray | Selection | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k over all shards: queries (Q, E) -> scores (Q, k) float32, item ids (Q, k) str ('' pads
+        when ``allowed`` leaves fewer than k)."""
+        scores, ids = self.search_ids(queries, k, nprobe, allowed)
         return scores, self.to_item_ids(ids)
 
     def search_ids(self, queries: np.ndarray, k: int, nprobe: int | None = None,
@@ -216,24 +229,64 @@ class ShardedIndex:
         """Top-k over all shards as rows: (Q, E) -> (Q, k) scores, (Q, k) int64 rows.
 
         ``allowed``: bool (N,) over rows, or its ``select``-ed form (prepared once, reused by many
-        searches); only those are returned (-1 pads when fewer than k).
+        searches); only those are returned (-1 pads when fewer than k). On IVF the search visits more
+        lists the fewer rows are allowed, up to all of them, and a query left with fewer hits than
+        allowed rows is searched again over every list (``puma.index.filtered``).
         """
         q = self._check_queries(queries, k)
-        selector = None
-        if allowed is not None:
-            chosen = allowed if isinstance(allowed, Selection) else self.select(allowed)
-            if chosen.size != (self.ntotal if self._gapless else self.manifest.next_id):
-                raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
-                                      "state of the index (select again)")
-            selector = backend.bitmap_selector(chosen.bits)
-        parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe or self.nprobe, selector)
+        nprobe = nprobe or self.nprobe
+        if allowed is None:
+            return self._search_all(q, k, nprobe, None)
+        chosen = allowed if isinstance(allowed, Selection) else self.select(allowed)
+        if chosen.size != (self.ntotal if self._gapless else self.manifest.next_id):
+            raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
+                                  "state of the index (select again)")
+        selector, nlist = backend.bitmap_selector(chosen.bits), self.manifest.nlist
+        if nlist and chosen.count >= 0:
+            nprobe = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total)
+        scores, rows = self._search_all(q, k, nprobe, selector)
+        if nlist and nprobe < nlist:
+            wanted = k if chosen.count < 0 else min(k, chosen.count)
+            short = (rows >= 0).sum(axis=1) < wanted  # (Q,)
+            if short.any():
+                scores[short], rows[short] = self._search_all(q[short], k, nlist, selector)
+        return scores, rows
+
+    def _search_all(self, q: np.ndarray, k: int, nprobe: int,
+                    selector: faiss.IDSelector | None) -> tuple[np.ndarray, np.ndarray]:
+        parts = [self._search_chunk(q[i:i + self.query_chunk], k, nprobe, selector)
                  for i in range(0, len(q), self.query_chunk)]
         return np.concatenate([p[0] for p in parts]), self._to_rows(np.concatenate([p[1] for p in parts]))
 
+    @cached_property
+    def filter_types(self) -> dict[str, str]:
+        """The filterable columns and their types over every shard (``puma.index.filtered``)."""
+        return merged_types(self._filter_tables())
+
+    def filter_mask(self, where: Filter, unknown_ok: bool = False) -> np.ndarray:
+        """Rows (N,) ``where`` selects, removed rows never; a FilterError names a column this index lacks
+        (unless ``unknown_ok``: such a column matches nothing) or a value of the wrong type."""
+        check_filter(where, self.filter_types, unknown_ok)
+        tables = self._filter_tables()
+        if not tables:
+            return np.zeros(0, dtype=bool)
+        return np.concatenate([evaluate(where, t) for t in tables]) & self.live
+
+    def describe_filters(self, max_values: int = 50) -> dict:
+        """The filterable columns: their types and, for text columns with few values, the values."""
+        return merged_description(self._filter_tables(), [s.live for s in self._loaded], max_values)
+
+    def _filter_tables(self) -> list[pa.Table]:
+        if not self.holding.filters:
+            raise IndexInputError("this index was opened without its filter columns: open it with "
+                                  "Holding(filters=True) to filter by metadata")
+        return [s.filters for s in self._loaded]
+
     def select(self, allowed: np.ndarray) -> Selection:
         """A bool mask (N,) over rows as a restricted search's bitmap over FAISS global ids (N/8 bytes)."""
-        mask = self._id_mask(self._check_allowed(allowed))
-        return Selection(np.packbits(mask, bitorder="little"), len(mask))
+        rows_mask = self._check_allowed(allowed)
+        mask = self._id_mask(rows_mask)
+        return Selection(np.packbits(mask, bitorder="little"), len(mask), int(np.count_nonzero(rows_mask)))
 
     def _to_rows(self, ids: np.ndarray) -> np.ndarray:
         """FAISS global ids (any shape, -1: none) -> rows (same shape, -1: none)."""
@@ -411,14 +464,15 @@ class ShardedIndex:
         return pa.concat_tables(parts, promote_options="permissive")
 
     def search_by_item_id(self, item_ids: list[str] | np.ndarray, k: int, exclude_self: bool = True,
-                          nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                          nprobe: int | None = None, allowed: np.ndarray | Selection | None = None
+                          ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k neighbours of indexed items (their stored embeddings), without the item itself."""
         own = self.lookup(item_ids)  # (n,)
         most = self.max_k() - int(exclude_self)
         if not 1 <= k <= most:
             own_item = "the query item left out" if exclude_self else "the query item included"
             raise IndexInputError(f"k must be in [1, {most}] for this index ({own_item}), got {k}")
-        scores, ids = self.search_ids(self.embeddings(item_ids), k + int(exclude_self), nprobe)
+        scores, ids = self.search_ids(self.embeddings(item_ids), k + int(exclude_self), nprobe, allowed)
         if exclude_self:
             scores, ids = drop_self(scores, ids, own)
         return scores, self.to_item_ids(ids)
@@ -461,6 +515,7 @@ class LoadedShard:
     ids: IdLookup
     on_gpu: bool
     files: tuple[str, ...] = ()  # names in holding.cache
+    filters: pa.Table | None = None  # holding.filters: the shard's filter table (puma.index.filtered)
 
     def holds(self, column: str) -> bool:
         return column in self.arrays or (self.file is not None and column in self.file.names)
@@ -502,10 +557,10 @@ def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool, hold
     id lookup (``rows_of``: a loaded shard of the same Parquet file to take them from)."""
     cpu_index = backend.deserialize(_read_checked(uri, entry.index))
     if rows_of is not None:
-        arrays, file, ids = rows_of.arrays, rows_of.file, rows_of.ids
+        arrays, file, ids, filters = rows_of.arrays, rows_of.file, rows_of.ids, rows_of.filters
         files = rows_of.files[:1] if file is not None else ()
     else:
-        arrays, file, ids, files = _load_columns(uri, entry, holding)
+        arrays, file, ids, files, filters = _load_columns(uri, entry, holding)
     removed = removed_ids(uri, entry)  # (R,) global ids
     live = np.ones(entry.count, dtype=bool)
     if len(removed):
@@ -524,14 +579,15 @@ def _load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool, hold
             os.unlink(path)
         if backend.lists_on_disk(kept, path):
             files = (*files, name)
-    return LoadedShard(entry, index, kept, arrays, file, live, ids, on_gpu, files)
+    return LoadedShard(entry, index, kept, arrays, file, live, ids, on_gpu, files, filters)
 
 
-def _load_columns(uri: str, entry: ShardEntry, holding: Holding
-                  ) -> tuple[dict[str, pa.Array], ColumnFile | None, IdLookup, tuple[str, ...]]:
+def _load_columns(uri: str, entry: ShardEntry, holding: Holding) -> tuple[
+        dict[str, pa.Array], ColumnFile | None, IdLookup, tuple[str, ...], pa.Table | None]:
     """The shard's columns held in memory (one array each), its column file (and that file's name in
-    the cache) and its item-id lookup."""
-    names = list(dict.fromkeys((*holding.columns, *holding.file_columns)))
+    the cache), its item-id lookup and its filter table (``holding.filters``)."""
+    extra = SOURCE_COLUMNS if holding.filters else ()
+    names = list(dict.fromkeys((*holding.columns, *holding.file_columns, *extra)))
     table = read_compact(_path(uri, entry.embeddings), names, holding.schema)
     if table.num_rows != entry.count:
         raise IndexIntegrityError(f"{entry.name}: {table.num_rows} Parquet rows; manifest says {entry.count}")
@@ -539,10 +595,11 @@ def _load_columns(uri: str, entry: ShardEntry, holding: Holding
         raise IndexIntegrityError(f"{entry.name}: {table[ITEM_ID].null_count} row(s) have no item id")
     ids = IdLookup(table[ITEM_ID])
     arrays = {c: _one_chunk(table[c]) for c in holding.columns}
+    filters = filter_table(table.select(list(SOURCE_COLUMNS))) if holding.filters else None
     if not holding.file_columns:
-        return arrays, None, ids, ()
+        return arrays, None, ids, (), filters
     file, name = holding.cache.column_file(entry.embeddings.sha256, table.select(list(holding.file_columns)))
-    return arrays, file, ids, (name,)
+    return arrays, file, ids, (name,), filters
 
 
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:

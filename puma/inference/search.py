@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from puma import storage
 from puma.config import IndexConfig
+from puma.index.filters import Filter
 from puma.index.manifest import Manifest
 from puma.index.plan import IndexInputError
-from puma.index.search import ShardedIndex
+from puma.index.search import Holding, ShardedIndex
 from puma.index.table import (
     CLASS_NAME,
     DATASET,
@@ -97,23 +99,29 @@ def results_table(queries: list[str], scores: np.ndarray, item_ids: np.ndarray,
 
 def run_search(cfg: IndexConfig, k: int, queries_uri: str = "", item_ids: list[str] | None = None,
                out_uri: str = "", include_self: bool = False, image_uris: list[str] | None = None,
-               checkpoint: str = "", grid_uri: str = "") -> SearchOutcome:
-    """Search ``cfg.uri`` for the queries (a file, item ids or images) and write the results Parquet."""
+               checkpoint: str = "", grid_uri: str = "", where: Filter | None = None) -> SearchOutcome:
+    """Search ``cfg.uri`` for the queries (a file, item ids or images) among the items ``where`` selects
+    (a metadata filter, puma.index.filters) and write the results Parquet (a query with fewer matching
+    items than k gets the ones there are)."""
     if sum(map(bool, (queries_uri, item_ids, image_uris))) != 1:
         raise IndexInputError("give exactly one kind of query: a queries file (--queries), item ids "
                               "(--item-id) or image files (--image)")
-    index = ShardedIndex.open(cfg.uri, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu, query_chunk=cfg.query_chunk)
+    index = ShardedIndex.open(cfg.uri, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu, query_chunk=cfg.query_chunk,
+                              keep_cpu=where is not None, holding=Holding(filters=where is not None))
+    allowed = None if where is None else index.select(index.filter_mask(where))
     asked, (k, k_limit) = k, fit_k(index, k, exclude_self=bool(item_ids) and not include_self)
     if item_ids:
         names = list(item_ids)
-        scores, found = index.search_by_item_id(names, k, exclude_self=not include_self)
+        scores, found = index.search_by_item_id(names, k, exclude_self=not include_self, allowed=allowed)
     else:
         names, vectors = (embed_query_images(image_uris, checkpoint) if image_uris
                           else load_queries(queries_uri))
         if image_uris:
             check_query_model(index, checkpoint, vectors.shape[1])
-        scores, found = index.search(vectors, k)
+        scores, found = index.search(vectors, k, allowed=allowed)
     table = results_table(names, scores, found, index)
+    if where is not None:  # fewer matches than k: the padding rows go
+        table = table.filter(pc.not_equal(table["item_id"], ""))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_uri = out_uri or storage.join("artifacts", "search", f"search-{stamp}.parquet")
     storage.write_bytes(out_uri, to_parquet_bytes(table))

@@ -58,6 +58,7 @@ from puma import storage
 from puma.config import Config, IndexConfig
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.faults import fault_delay
+from puma.index.filters import Filter
 from puma.index.manifest import read_manifest
 from puma.index.versions import read_alias, version_uri
 from puma.inference.embedder import Embedder, use_storage
@@ -242,11 +243,11 @@ class LocalIndex(Watched):
     queries are searched in the process that parsed them, with no actor hop."""
 
     async def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
-                            version: str) -> list[dict]:
+                            where: Filter | None, version: str) -> list[dict]:
         """Filtered queries one by one; unfiltered ones that wait together share one FAISS call."""
-        if datasets or catalogues:
+        if datasets or catalogues or where is not None:
             with self.served.use(version) as live:
-                return live.search_vector(vector, k, datasets, catalogues)
+                return live.search_vector(vector, k, datasets, catalogues, where)
         self.served.get(version).check_vector(vector)  # a wrong length fails alone, not its batch
         return await self._together(vector, k, version)
 
@@ -264,9 +265,9 @@ class LocalIndex(Watched):
         return out
 
     async def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
-                          include_self: bool, version: str) -> list[dict]:
+                          include_self: bool, where: Filter | None, version: str) -> list[dict]:
         with self.served.use(version) as live:
-            return live.search_item(item_id, k, datasets, catalogues, include_self)
+            return live.search_item(item_id, k, datasets, catalogues, include_self, where)
 
     async def thumbnail(self, item_id: str, version: str) -> bytes:
         with self.served.use(version) as live:
@@ -318,22 +319,23 @@ class IndexPartition:
         return self.index.prepare(version)
 
     def search_part(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
-                    version: str) -> dict:
+                    where: dict | None, version: str) -> dict:
+        """One partition's answer (``where``: a filter's JSON form, as the wire carries it)."""
         with self.index.served.use(version) as live:
-            return live.search_part(vector, k, datasets, catalogues)
+            return live.search_part(vector, k, datasets, catalogues, where)
 
     def _search_part_sent(self, vector: np.ndarray, k: int, datasets: list, catalogues: list,
-                          version: str) -> dict:
+                          where: dict | None, version: str) -> dict:
         """search_part as the channel calls it (its frames carry tuples as lists)."""
-        return self.search_part(vector, int(k), tuple(datasets), tuple(catalogues), version)
+        return self.search_part(vector, int(k), tuple(datasets), tuple(catalogues), where, version)
 
     def _search_parts_sent(self, calls: list[list]) -> list:
         """Many channel search_part calls at once: the unfiltered ones of each version share one FAISS
         search (trimmed to each call's k: the same hits as alone); the others run one by one."""
         out: list = [None] * len(calls)
-        plain = [i for i, call in enumerate(calls) if not call[2] and not call[3]]  # no dataset/catalogue
-        for version in dict.fromkeys(calls[i][4] for i in plain):
-            rows = [i for i in plain if calls[i][4] == version]
+        plain = [i for i, call in enumerate(calls) if not call[2] and not call[3] and call[4] is None]
+        for version in dict.fromkeys(calls[i][5] for i in plain):  # unfiltered: one search per version
+            rows = [i for i in plain if calls[i][5] == version]
             try:
                 with self.index.served.use(version) as live:
                     answers = live.search_parts([calls[i][0] for i in rows],
@@ -551,7 +553,7 @@ class SearchIngress:
     async def _hits(self, query: SearchRequest, pinned: Pinned) -> list[dict]:
         if query.kind == "item_id":
             return await self.index.search_item(query.item_id, query.k, query.datasets, query.catalogues,
-                                                query.include_self, pinned.version)
+                                                query.include_self, query.where, pinned.version)
         vector = query.vector
         if query.kind == "image":
             if self.model is None:
@@ -560,7 +562,7 @@ class SearchIngress:
             view = await asyncio.to_thread(image_view, query.image, pinned.view, self.limits.max_image_pixels)
             vector = await self.model.embed.remote(view, pinned.checkpoint)
         return await self.index.search_vector(vector, query.k, query.datasets, query.catalogues,
-                                              pinned.version)
+                                              query.where, pinned.version)
 
     async def _image(self, request: Request) -> Response:
         self._authorise(request)

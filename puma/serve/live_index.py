@@ -41,6 +41,7 @@ from PIL import Image
 from puma.config import IndexConfig
 from puma.data.images import ImageRejected, decode_image
 from puma.index.cache import LocalCache
+from puma.index.filters import Filter, FilterError, parse_filter
 from puma.index.manifest import Manifest, has_manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import Holding, Selection, ShardedIndex, drop_self
@@ -80,7 +81,8 @@ class State:
     index: ShardedIndex | None  # None while the index has no shards
     manifest: Manifest
     loaded_at: float = field(default_factory=time.time)
-    selections: dict = field(default_factory=dict)  # (datasets, catalogues) -> (Selection, unknown names)
+    selections: dict = field(default_factory=dict)  # (datasets, catalogues, filter) -> (Selection, unknowns)
+    filterable: dict | None = None  # GET /stats' filterable columns, described once per state
 
     @property
     def items(self) -> int:
@@ -140,7 +142,7 @@ class LiveIndex:
             return State(None, manifest)
         if old is None or old.index is None or old.index.manifest.trained.sha256 != manifest.trained.sha256:
             holding = Holding(FILTER_COLUMNS, ROW_COLUMNS, HIT_SCHEMA, self._cache,
-                              lists_on_disk=self._lists_on_disk(manifest))
+                              lists_on_disk=self._lists_on_disk(manifest), filters=True)
             index = ShardedIndex.open(self.uri, nprobe=self.cfg.nprobe, use_gpu=self.cfg.use_gpu,
                                       query_chunk=self.cfg.query_chunk, keep_cpu=True, manifest=manifest,
                                       holding=holding)
@@ -159,24 +161,26 @@ class LiveIndex:
     # ------------------------------------------------------------------------- searching
 
     def search_vector(self, vector: np.ndarray, k: int, datasets: tuple[str, ...] = (),
-                      catalogues: tuple[str, ...] = ()) -> list[dict]:
-        """Hits of one query embedding (E,), best first; 422 when it has the wrong length."""
+                      catalogues: tuple[str, ...] = (), where: Filter | None = None) -> list[dict]:
+        """Hits of one query embedding (E,), best first, among the items ``where`` selects (a metadata
+        filter, puma.index.filters); 422 when the vector has the wrong length or the filter cannot apply."""
         state = self._searchable()
         self.check_vector(vector)
-        allowed, _ = self._allowed(state, datasets, catalogues)
+        allowed, _ = self._allowed(state, datasets, catalogues, _parsed(where))
         scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
         return _hits(state, scores[0], ids[0])
 
     def search_part(self, vector: np.ndarray, k: int, datasets: tuple[str, ...] = (),
-                    catalogues: tuple[str, ...] = ()) -> dict:
+                    catalogues: tuple[str, ...] = (), where: Filter | dict | None = None) -> dict:
         """One partition's answer to a query (puma.serve.partitions): its top-k hits carrying their
         merge order, its live items, and the filter names it does not know (no 4xx here: another
         partition may hold them; the ingress refuses names no partition knows)."""
         self.check_vector(vector)
         state = self.state
         if state.index is None or not state.items:
-            return {"hits": [], "items": 0, "unknown": _named(datasets, catalogues)}
-        allowed, unknown = self._allowed(state, datasets, catalogues, strict=False)
+            columns = sorted(where.columns()) if where is not None else []
+            return {"hits": [], "items": 0, "unknown": _named(datasets, catalogues, columns)}
+        allowed, unknown = self._allowed(state, datasets, catalogues, _parsed(where), strict=False)
         scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
         return _part_answer(state, scores[0], ids[0], unknown)
 
@@ -224,12 +228,13 @@ class LiveIndex:
         return [_hits(state, s, i) for s, i in zip(scores, ids, strict=True)]
 
     def search_item(self, item_id: str, k: int, datasets: tuple[str, ...] = (),
-                    catalogues: tuple[str, ...] = (), include_self: bool = False) -> list[dict]:
+                    catalogues: tuple[str, ...] = (), include_self: bool = False,
+                    where: Filter | None = None) -> list[dict]:
         """Hits of an indexed item's stored embedding (the item itself left out unless include_self)."""
         state = self._searchable()
         own = self._lookup(state, item_id)  # (1,)
         vector = state.index.vector(int(own[0]))[None, :]  # (1, E)
-        allowed, _ = self._allowed(state, datasets, catalogues)
+        allowed, _ = self._allowed(state, datasets, catalogues, _parsed(where))
         extra = 0 if include_self else 1
         scores, ids = state.index.search_ids(vector, min(k + extra, state.items), allowed=allowed)
         if extra and ids.shape[1] > 0:
@@ -251,22 +256,23 @@ class LiveIndex:
         return np.array([row], dtype=np.int64)
 
     def _allowed(self, state: State, datasets: tuple[str, ...], catalogues: tuple[str, ...],
-                 strict: bool = True) -> tuple[Selection | None, list[str]]:
-        """The items in the named datasets and catalogues (None: no filter), selected for FAISS once per
-        filter and state, and the names no live item has: a 422 naming them when ``strict``, else
-        returned (they match nothing)."""
-        if not datasets and not catalogues:
+                 where: Filter | None = None, strict: bool = True) -> tuple[Selection | None, list[str]]:
+        """The items in the named datasets and catalogues that ``where`` selects (None: no filter),
+        selected for FAISS once per filter and state, and the names no live item has: a 422 naming them
+        when ``strict``, else returned (they match nothing)."""
+        if not datasets and not catalogues and where is None:
             return None, []
-        key = (datasets, catalogues)
+        key = (datasets, catalogues, where.key if where is not None else "")
         if key not in state.selections:
             if len(state.selections) >= MAX_CACHED_FILTERS:
                 state.selections.clear()
             live = state.index.live
             by_dataset, unknown_datasets = _mask(state.index, DATASET, datasets, live)
             by_catalogue, unknown_catalogues = _catalogue_mask(state.index, catalogues, live)
-            chosen = state.index.select(by_dataset & by_catalogue & live)
-            state.selections[key] = (chosen, unknown_datasets, unknown_catalogues)
-        chosen, unknown_datasets, unknown_catalogues = state.selections[key]
+            by_filter, unknown_columns = _filter_mask(state.index, where, strict)
+            chosen = state.index.select(by_dataset & by_catalogue & by_filter & live)
+            state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
+        chosen, unknown_datasets, unknown_catalogues, unknown_columns = state.selections[key]
         if strict and unknown_datasets:
             present = _live_counts(state.index, DATASET)
             raise RequestError(422, f"unknown dataset(s) {unknown_datasets}; this index has "
@@ -275,7 +281,7 @@ class LiveIndex:
             present = _catalogue_names(state.index)
             raise RequestError(422, f"unknown catalogue(s) {unknown_catalogues}; this index has "
                                     f"{sorted(present)[:20]}")
-        return chosen, _named(unknown_datasets, unknown_catalogues)
+        return chosen, _named(unknown_datasets, unknown_catalogues, unknown_columns)
 
     # ------------------------------------------------------------------------- images and stats
 
@@ -310,6 +316,7 @@ class LiveIndex:
                 "on_gpu": bool(state.index is not None and state.index.on_gpu),
                 "datasets": datasets,
                 "catalogues": [{"uri": uri, "name": _name(uri), "items": n} for uri, n in catalogues.items()],
+                "filterable": _filterable(state),
                 "manifest_updated": manifest.updated, "loaded_at": time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.loaded_at)), "refused_update": self.refused}
 
@@ -464,9 +471,42 @@ def _live_counts(index: ShardedIndex, column: str) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
-def _named(datasets, catalogues) -> list[str]:
-    """Filter names as one list, e.g. ["dataset 'cub'", "catalogue 'shop'"]."""
-    return [f"dataset {n!r}" for n in datasets] + [f"catalogue {n!r}" for n in catalogues]
+def _parsed(where: Filter | dict | None) -> Filter | None:
+    """A filter, from its JSON form as partitions receive it; 422 when it is not one."""
+    if where is None or isinstance(where, Filter):
+        return where
+    try:
+        return parse_filter(where)
+    except FilterError as exc:
+        raise RequestError(422, f"filter: {exc}") from exc
+
+
+def _filterable(state: State) -> dict:
+    """The columns a filter may name: their types and, for text columns with few values, the values."""
+    if state.filterable is None:
+        state.filterable = {} if state.index is None else state.index.describe_filters()
+    return state.filterable
+
+
+def _named(datasets, catalogues, columns=()) -> list[str]:
+    """Filter names as one list, e.g. ["dataset 'cub'", "catalogue 'shop'", "column 'price'"]."""
+    return [f"dataset {n!r}" for n in datasets] + [f"catalogue {n!r}" for n in catalogues] + \
+        [f"column {n!r}" for n in columns]
+
+
+def _filter_mask(index: ShardedIndex, where: Filter | None, strict: bool) -> tuple[np.ndarray, list]:
+    """Rows ``where`` selects (all without a filter), and the columns it names that this index lacks.
+    ``strict``: a 422 for an unknown column, a wrong type or value (the whole index is here). Else (one
+    partition of several) unknown columns are returned, since another partition may hold them, and
+    match nothing here; the known columns are still checked."""
+    if where is None:
+        return np.ones(index.ntotal, dtype=bool), []
+    types = index.filter_types
+    unknown = sorted(c for c in where.columns() if c not in types)
+    try:
+        return index.filter_mask(where, unknown_ok=not strict), [] if strict else unknown
+    except FilterError as exc:
+        raise RequestError(422, str(exc)) from exc
 
 
 def _counts(column: pa.ChunkedArray) -> dict[str, int]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from puma.index.filters import Filter
 from puma.index.manifest import Manifest
 from puma.serve.errors import RequestError
 
@@ -99,7 +100,7 @@ def merged_answer(answers: list[dict], k: int, drop_item: str = "") -> list[dict
     unknown = [n for n in answers[0]["unknown"] if all(n in a["unknown"] for a in answers[1:])]
     if unknown:
         raise RequestError(422, f"unknown {', '.join(unknown)}: no item of the index has it; GET /stats "
-                                "lists the datasets and catalogues")
+                                "lists the datasets, catalogues and filterable columns")
     return merge_hits([a["hits"] for a in answers], k, drop_item)
 
 
@@ -116,6 +117,7 @@ def merged_stats(parts: list[dict]) -> dict:
         for c in part["catalogues"]:
             catalogues.setdefault(c["uri"], {**c, "items": 0})["items"] += c["items"]
     out["datasets"] = dict(sorted(datasets.items()))
+    out["filterable"] = merged_filterable([p.get("filterable", {}) for p in parts])
     out["catalogues"] = [catalogues[uri] for uri in sorted(catalogues)]
     out["on_gpu"] = any(p["on_gpu"] for p in parts)
     out["refused_update"] = next((p["refused_update"] for p in parts if p["refused_update"]), "")
@@ -124,6 +126,31 @@ def merged_stats(parts: list[dict]) -> dict:
     out["partitions"] = [{"items": p["items"], "shards": p["shards"],
                           **({"channel": p["channel"]} if "channel" in p else {})} for p in parts]
     return out
+
+
+def _wire(where: Filter | None) -> dict | None:
+    """A filter as the partitions' calls carry it: its canonical JSON form."""
+    return None if where is None else where.to_json()
+
+
+def merged_filterable(parts: list[dict], max_values: int = 50) -> dict:
+    """The partitions' filterable columns as one index's: a type the partitions agree on ("json" where
+    any holds nested values, else "string" where they differ), and the text values while few."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        for name, info in part.items():
+            have = out.setdefault(name, {"type": info["type"], "values": set(info.get("values", []))})
+            if have["type"] != info["type"]:
+                have["type"] = "json" if "json" in (have["type"], info["type"]) else "string"
+            if have["values"] is not None and "values" in info:
+                have["values"].update(info["values"])
+            elif info["type"] == "string":
+                have["values"] = None
+    for info in out.values():
+        values = info.pop("values")
+        if info["type"] == "string" and values is not None and len(values) <= max_values:
+            info["values"] = sorted(values)
+    return dict(sorted(out.items()))
 
 
 class FanOut:
@@ -135,18 +162,19 @@ class FanOut:
         raise NotImplementedError
 
     async def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
-                            version: str) -> list[dict]:
-        return merged_answer(await self._all("search_part", vector, k, datasets, catalogues, version), k)
+                            where: Filter | None, version: str) -> list[dict]:
+        answers = await self._all("search_part", vector, k, datasets, catalogues, _wire(where), version)
+        return merged_answer(answers, k)
 
     async def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
-                          include_self: bool, version: str) -> list[dict]:
+                          include_self: bool, where: Filter | None, version: str) -> list[dict]:
         """The partition holding the item gives its vector; every partition searches it (one more
         hit each unless include_self) and the item itself leaves the merge."""
         vector = next((v for v in await self._all("vector_of", item_id, version) if v is not None), None)
         if vector is None:
             raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index")
         answers = await self._all("search_part", vector, k + (0 if include_self else 1), datasets,
-                                  catalogues, version)
+                                  catalogues, _wire(where), version)
         return merged_answer(answers, k, "" if include_self else item_id)
 
     async def thumbnail(self, item_id: str, version: str) -> bytes:

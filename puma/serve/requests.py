@@ -35,11 +35,12 @@ from PIL import Image
 
 from puma.config import ServeConfig
 from puma.data.images import ImageRejected, ViewSpec, make_view
+from puma.index.filters import Filter, FilterError, parse_filter
 from puma.serve.errors import RequestError
 
 Params = Mapping[str, Sequence[str]]  # query parameters or form fields: name -> every value given
 QUERY_FIELDS = ("item_id", "vector", "image_base64")
-OPTION_FIELDS = ("k", "dataset", "catalogue", "include_self")
+OPTION_FIELDS = ("k", "dataset", "catalogue", "include_self", "filter")
 JSON_FIELDS = QUERY_FIELDS + OPTION_FIELDS
 IMAGE_FIELD = "image"  # the file field of a multipart form
 JSON_EXAMPLE = '{"item_id": "cub/0001.jpg", "k": 8} or {"vector": [0.1, ...], "k": 8}'
@@ -72,13 +73,15 @@ class SearchRequest:
     datasets: tuple[str, ...] = ()
     catalogues: tuple[str, ...] = ()
     include_self: bool = False
+    where: Filter | None = None  # the "filter" option (puma.index.filters)
 
     def describe(self) -> dict:
         """The query as the response echoes it (no image bytes, no vector values)."""
         what = {"image": {"bytes": len(self.image)}, "item_id": {"item_id": self.item_id},
                 "vector": {"dim": 0 if self.vector is None else int(self.vector.shape[0])}}[self.kind]
+        where = None if self.where is None else self.where.to_json()
         return {"kind": self.kind, **what, "k": self.k, "dataset": list(self.datasets),
-                "catalogue": list(self.catalogues)}
+                "catalogue": list(self.catalogues), "filter": where}
 
 
 def media_type(content_type: str) -> str:
@@ -159,7 +162,21 @@ def parse_options(options: Mapping, limits: Limits) -> dict:
     return {"k": parse_k(_one(options, "k", limits.default_k), limits.max_k),
             "datasets": _names(options.get("dataset"), "dataset"),
             "catalogues": _names(options.get("catalogue"), "catalogue"),
-            "include_self": _flag(_one(options, "include_self", False))}
+            "include_self": _flag(_one(options, "include_self", False)),
+            "where": _filter(options.get("filter"))}
+
+
+def _filter(value) -> Filter | None:
+    """The "filter" option: a JSON object (or its text, from a query parameter or form field); 422 naming
+    what is wrong when it is not a filter."""
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = value[-1]  # query parameters and form fields: the last one
+    if value is None or value == "":
+        return None
+    try:
+        return parse_filter(value)
+    except FilterError as exc:
+        raise RequestError(422, f"filter: {exc}") from exc
 
 
 def parse_k(value, max_k: int) -> int:

@@ -1,0 +1,138 @@
+"""What a filtered search needs from the index: each shard's filter table, the columns' types over all
+shards, and how far an IVF search must look to return an exact filtered top-k.
+
+A shard's filter table (``filter_table``) holds the built-in columns dataset, catalogue, label and
+class_name and the metadata's typed columns (``puma.index.filters.metadata_columns``: a catalogue
+table's other columns, numbers as numbers, true/false as booleans). A CSV table's cells are stored
+as text, so a text column whose every value is a plain number (``-12``, ``4.5``, ``1e3``; no leading
+zero, so ``02134`` stays text) is a number column, and one of only ``true`` and ``false`` a boolean
+column (``typed_text``). A metadata key named like a built-in column is shadowed by it. String columns
+whose values repeat are dictionary-encoded, so a category or brand costs a byte or two per item.
+
+Exactness on IVF (``filtered_nprobe``): a filter that keeps a fraction f of the items leaves about f of
+each inverted list's items, so a search that visits nprobe / f lists meets as many matching candidates
+as an unfiltered search visiting nprobe lists. Once that is most of the lists
+(``FULL_SCAN_SHARE``), the search visits every list: with the selector it computes distances only for
+the selected items, an exact scan of them (on IVF-Flat the lists hold the vectors themselves). A
+search that still returns fewer hits than items match (a filter concentrated far from the query) is
+run again over every list (``ShardedIndex.search_ids``), so an answer holds k hits whenever k items
+match.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from puma.index.filters import column_types, describe_columns, metadata_columns
+from puma.index.table import CATALOGUE, CLASS_NAME, DATASET, LABEL, METADATA
+
+BUILT_IN = (DATASET, CATALOGUE, LABEL, CLASS_NAME)  # filterable on every index
+SOURCE_COLUMNS = (*BUILT_IN, METADATA)  # what a shard's filter table is made from
+FULL_SCAN_SHARE = 0.25  # visit every list once nprobe / fraction reaches this share of them (bench_filters)
+DICTIONARY_SHARE = 0.5  # a string column is dictionary-encoded when its distinct values are below this share
+
+
+def filter_table(columns: pa.Table) -> pa.Table:
+    """A shard's filter table from its stored columns (``SOURCE_COLUMNS``; absent ones null)."""
+    have, n = columns.column_names, columns.num_rows
+    built_in = {name: _compact(columns.column(name)) if name in have else pa.nulls(n, pa.string())
+                for name in BUILT_IN}
+    meta = metadata_columns(columns.column(METADATA)) if METADATA in columns.column_names else pa.table({})
+    extra = {name: _compact(typed_text(meta.column(name)))
+             for name in meta.column_names if name not in built_in}
+    return pa.table({**built_in, **extra})
+
+
+PLAIN_NUMBER = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
+PLAIN_INTEGER = r"^-?(0|[1-9][0-9]{0,17})$"  # fits int64
+
+
+def typed_text(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A text column of plain numbers as numbers (int64 when every value is an integer), of only "true"
+    and "false" as booleans; any other column as it is. Nulls stay null."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    text = pa.types.is_string(array.type) or pa.types.is_large_string(array.type)
+    if not text or array.null_count == len(array):
+        return array
+    values = array.drop_null()
+    if pc.all(pc.match_substring_regex(values, PLAIN_NUMBER)).as_py():
+        whole = pc.all(pc.match_substring_regex(values, PLAIN_INTEGER)).as_py()
+        return array.cast(pa.int64() if whole else pa.float64())
+    if pc.all(pc.is_in(values, value_set=pa.array(["true", "false"]))).as_py():
+        return pc.equal(array, "true")
+    return array
+
+
+def _compact(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """One chunk; a string column of repeated values dictionary-encoded."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    if (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)) and len(array):
+        distinct = pc.count_distinct(array).as_py()
+        if distinct < DICTIONARY_SHARE * len(array):
+            return pc.dictionary_encode(array)
+    return array
+
+
+def merged_types(tables: list[pa.Table]) -> dict[str, str]:
+    """Column -> type over every shard: one type where the shards agree; "json" where any shard holds
+    nested values; "string" where they disagree otherwise (e.g. a size that is a number in one catalogue
+    and text in another: filtered as text, the shards holding numbers match no text value)."""
+    seen: dict[str, set[str]] = {}
+    for table in tables:
+        for name, kind in column_types(table).items():
+            if not _all_null(table.column(name)):
+                seen.setdefault(name, set()).add(kind)
+    for name in BUILT_IN:
+        seen.setdefault(name, {"number" if name == LABEL else "string"})
+    return {name: kinds.pop() if len(kinds) == 1 else "json" if "json" in kinds else "string"
+            for name, kinds in sorted(seen.items())}
+
+
+def merged_description(tables: list[pa.Table], live: list[np.ndarray], max_values: int = 50) -> dict:
+    """``GET /stats``' filterable columns: per column its type (``merged_types``) and, for a string column
+    with at most ``max_values`` distinct values among the live items, those values (sorted)."""
+    out = {name: {"type": kind} for name, kind in merged_types(tables).items()}
+    for name, info in out.items():
+        if info["type"] == "string":
+            values = _few_values(name, tables, live, max_values)
+            if values is not None:
+                info["values"] = values
+    return out
+
+
+def _few_values(name: str, tables: list[pa.Table], live: list[np.ndarray], most: int) -> list | None:
+    """The distinct text values of a column over the live items, None when there are more than ``most``."""
+    distinct: set = set()
+    for table, keep in zip(tables, live, strict=True):
+        if name not in table.column_names:
+            continue
+        info = describe_columns(table.select([name]).filter(pa.array(keep)), most)[name]
+        if info["type"] != "string":
+            continue
+        if "values" not in info or len(distinct.union(info["values"])) > most:
+            return None
+        distinct.update(info["values"])
+    return sorted(distinct)
+
+
+def filtered_nprobe(nprobe: int, nlist: int, selected: int, live: int) -> int:
+    """The lists an IVF search with a filter keeping ``selected`` of ``live`` items visits (see the
+    module docstring): nprobe / fraction, or every list once that reaches FULL_SCAN_SHARE of them."""
+    if selected >= live or live <= 0:
+        return min(nprobe, nlist)
+    if selected <= 0:
+        return nlist
+    wanted = math.ceil(nprobe * live / selected)
+    return nlist if wanted >= FULL_SCAN_SHARE * nlist else wanted
+
+
+def _all_null(column: pa.ChunkedArray) -> bool:
+    return column.null_count == len(column)

@@ -1,0 +1,278 @@
+"""Filtered search over an index (puma.index.filtered, ShardedIndex.filter_mask and search_ids): for
+random filters of every operator, the hits are a brute-force scan of the matching rows (same ids, same
+order) on Flat, and on IVF wherever the search scans every list; a broad filter on IVF keeps its
+recall and every answer holds k hits whenever k items match, after removals and a compaction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from test_serve_partitions import LocalFanOut
+
+from puma.config import IndexConfig
+from puma.index import build_index
+from puma.index.build import commit_changes, compact
+from puma.index.filtered import FULL_SCAN_SHARE, filter_table, filtered_nprobe, merged_types
+from puma.index.filters import FilterError, evaluate, parse_filter
+from puma.index.search import Holding, ShardedIndex
+from puma.index.table import embedding_matrix
+from puma.inference.search import run_search
+from puma.serve.errors import RequestError
+from puma.serve.live_index import LiveIndex
+from puma.serve.partitions import Partition
+
+DIM, N, SHARD = 16, 3000, 700
+CATEGORIES = ("boots", "sandals", "sneakers", "heels", "slippers")
+BRANDS = tuple(f"brand-{i}" for i in range(12))
+
+
+def metadata(i: int, rng: np.random.Generator) -> str:
+    row = {"category": CATEGORIES[i % 5], "brand": BRANDS[int(rng.integers(12))],
+           "in_stock": bool(rng.random() < 0.7), "stock": int(rng.integers(0, 40))}
+    if i % 9:
+        row["price"] = round(float(rng.uniform(5, 200)), 2) if i % 2 else int(rng.integers(5, 200))
+    if i % 4 == 0:
+        row["tags"] = ["sale"]
+    return json.dumps(row)
+
+
+def table(start: int, n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, DIM)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    rows = range(start, start + n)
+    return pa.table({"item_id": [f"sku-{i:05d}" for i in rows],
+                     "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), DIM),
+                     "dataset": ["shoes" if i % 3 else "bags" for i in rows],
+                     "label": [i % 7 for i in rows],
+                     "class_name": [f"class-{i % 7}" for i in rows],
+                     "catalogue": ["s3://b/shop"] * n,
+                     "metadata": [metadata(i, rng) for i in rows]})
+
+
+def random_filter(rng: np.random.Generator, depth: int = 0) -> dict:
+    """One random filter over the table's columns, using every operator."""
+    pick = int(rng.integers(0, 12 if depth < 2 else 9))
+    if pick == 0:
+        return {"category": CATEGORIES[int(rng.integers(5))]}
+    if pick == 1:
+        chosen = rng.choice(12, int(rng.integers(1, 4)), replace=False)
+        return {"brand": {"in": [BRANDS[int(i)] for i in chosen]}}
+    if pick == 2:
+        low = float(rng.uniform(5, 150))
+        return {"price": {"gte": round(low, 1), "lt": round(low + float(rng.uniform(1, 60)), 1)}}
+    if pick == 3:
+        return {"in_stock": bool(rng.random() < 0.5)}
+    if pick == 4:
+        return {"stock": {rng.choice(["gt", "lte", "ne", "eq"]): int(rng.integers(0, 40))}}
+    if pick == 5:
+        return {"price": {"exists": bool(rng.random() < 0.5)}}
+    if pick == 6:
+        return {"label": {"in": [int(rng.integers(7)), int(rng.integers(7))]}, "dataset": "shoes"}
+    if pick == 7:
+        return {"tags": {"exists": True}, "class_name": {"ne": "class-3"}}
+    if pick == 8:
+        return {"brand": BRANDS[int(rng.integers(12))], "stock": {"lt": 5}}  # very selective
+    if pick == 9:
+        return {"and": [random_filter(rng, depth + 1), random_filter(rng, depth + 1)]}
+    if pick == 10:
+        return {"or": [random_filter(rng, depth + 1), random_filter(rng, depth + 1)]}
+    return {"not": random_filter(rng, depth + 1)}
+
+
+def matches(where: dict, row: dict) -> bool:
+    """The filter language in plain Python over one row (missing values match no comparison)."""
+    if "and" in where:
+        return all(matches(f, row) for f in where["and"])
+    if "or" in where:
+        return any(matches(f, row) for f in where["or"])
+    if "not" in where:
+        return not matches(where["not"], row)
+    for column, test in where.items():
+        value = row.get(column)
+        ops = test if isinstance(test, dict) else {"eq": test}
+        for op, want in ops.items():
+            if op == "exists":
+                ok = (value is not None) == want
+            elif value is None:
+                ok = False
+            elif op == "in":
+                ok = value in want
+            else:
+                ok = {"eq": value == want, "ne": value != want, "gt": value > want if op == "gt" else 0,
+                      "gte": value >= want if op == "gte" else 0, "lt": value < want if op == "lt" else 0,
+                      "lte": value <= want if op == "lte" else 0}[op]
+            if not ok:
+                return False
+    return True
+
+
+def rows_of(index: ShardedIndex) -> list[dict]:
+    stored = index.table(["item_id", "dataset", "label", "class_name", "catalogue", "metadata"])
+    return [{**json.loads(r.pop("metadata") or "{}"), **r} for r in stored.to_pylist()]
+
+
+def all_vectors(index: ShardedIndex) -> np.ndarray:
+    """Every row's stored embedding (N, E), removed rows too."""
+    return embedding_matrix(index.table(["item_id", "embedding"]))
+
+
+def brute_force(vectors: np.ndarray, allowed: np.ndarray, q: np.ndarray, k: int) -> list[int]:
+    """The rows of the k best allowed items by inner product (ties: lower row first)."""
+    rows = np.flatnonzero(allowed)
+    scores = vectors[rows] @ q
+    return rows[np.lexsort((rows, -scores))[:k]].tolist()
+
+
+def built(tmp_path, index_type: str) -> ShardedIndex:
+    uri = str(tmp_path / index_type)
+    cfg = IndexConfig(index_type=index_type, shard_size=SHARD, nlist=32 if index_type != "flat" else 0,
+                      metric="ip", train_sample=N)
+    build_index(uri, table(0, N, 0), cfg, model_id="m")
+    commit_changes(uri, table(N, 300, 1), np.arange(0, N, 5))  # a fifth removed, 300 added
+    compact(uri, 0.1)  # the shards rewritten without their removed rows (rows move, ids leave gaps)
+    commit_changes(uri, remove=np.arange(1, 700, 7))  # and removals after the compaction
+    return ShardedIndex.open(uri, nprobe=4, use_gpu=False, holding=Holding(filters=True))
+
+
+@pytest.mark.parametrize("index_type", ["flat", "ivf_flat"])
+def test_filtered_hits_are_a_brute_force_scan_of_the_matching_rows(tmp_path, index_type):
+    index = built(tmp_path, index_type)
+    rows, rng, vectors = rows_of(index), np.random.default_rng(7), all_vectors(index)
+    exact, filtered_recall, plain_recall = 0, [], []
+    for i in range(200):
+        where = random_filter(rng)
+        want_mask = np.array([matches(where, r) and live for r, live in zip(rows, index.live, strict=True)])
+        mask = index.filter_mask(parse_filter(where))
+        assert np.array_equal(mask, want_mask), where
+        q = rng.standard_normal(DIM).astype(np.float32)
+        k = int(rng.integers(1, 30))
+        _, got = index.search_ids(q[None, :], k, allowed=index.select(mask))
+        got = [r for r in got[0].tolist() if r >= 0]
+        want = brute_force(vectors, mask, q, k)
+        assert len(got) == min(k, int(mask.sum())), where  # k hits whenever k items match
+        scans_all = filtered_nprobe(4, 32, int(mask.sum()), index.live_total) == 32
+        if index_type == "flat" or scans_all:
+            assert got == want, (i, where)
+            exact += 1
+        else:  # a broad filter on IVF: approximate like an unfiltered search of the same nprobe
+            filtered_recall.append(len(set(got) & set(want)) / len(want))
+            _, plain = index.search_ids(q[None, :], k)
+            everything = brute_force(vectors, index.live, q, k)
+            plain_recall.append(len(set(plain[0].tolist()) & set(everything)) / len(everything))
+    assert exact >= 100, (exact, len(filtered_recall))
+    if filtered_recall:  # the lists visited grow as the filter narrows: recall does not fall with it
+        assert np.mean(filtered_recall) >= np.mean(plain_recall) - 0.05, (filtered_recall, plain_recall)
+
+
+def test_filter_errors_name_the_column_and_what_is_valid(tmp_path):
+    index = built(tmp_path, "flat")
+    assert index.filter_types["price"] == "number" and index.filter_types["in_stock"] == "boolean"
+    assert index.filter_types["tags"] == "json" and index.filter_types["category"] == "string"
+    with pytest.raises(FilterError, match=r"colour.*brand.*category"):
+        index.filter_mask(parse_filter({"colour": "red"}))
+    with pytest.raises(FilterError, match=r"price.*number"):
+        index.filter_mask(parse_filter({"price": "cheap"}))
+    with pytest.raises(FilterError, match=r"category.*string"):
+        index.filter_mask(parse_filter({"category": {"lt": 3}}))
+    described = index.describe_filters()
+    assert described["category"] == {"type": "string", "values": sorted(CATEGORIES)}
+    assert described["price"] == {"type": "number"}
+
+
+def test_the_lists_visited_grow_as_the_filter_narrows_then_cover_every_list():
+    assert filtered_nprobe(16, 4096, 1000, 1000) == 16
+    assert filtered_nprobe(16, 4096, 500, 1000) == 32
+    assert filtered_nprobe(16, 4096, 50, 1000) == 320
+    full = int(np.ceil(16 / (FULL_SCAN_SHARE * 4096) * 1000)) - 1
+    assert filtered_nprobe(16, 4096, full, 1000) == 4096
+    assert filtered_nprobe(16, 4096, 0, 1000) == 4096
+
+
+@pytest.mark.parametrize("index_type", ["flat", "ivf_flat"])
+def test_the_service_filters_like_the_index_in_one_and_three_partitions(tmp_path, index_type):
+    """LiveIndex (the service's index) and a 3-partition fan-out give exactly the brute-force hits of
+    random filters wherever the search is exact, and the same hits as each other everywhere."""
+    built(tmp_path, index_type)
+    uri = str(tmp_path / index_type)
+    cfg = IndexConfig(uri=uri, use_gpu=False, nprobe=4, cache_dir=str(tmp_path / "cache"))
+    one = LiveIndex(cfg, "m", DIM)
+    fan = LocalFanOut([LiveIndex(cfg, "m", DIM, partition=Partition(p, 3)) for p in range(3)])
+    index = one.state.index
+    vectors, rows, rng = all_vectors(index), rows_of(index), np.random.default_rng(11)
+    for i in range(200):
+        where = parse_filter(random_filter(rng))
+        q = rng.standard_normal(DIM).astype(np.float32)
+        k = int(rng.integers(1, 20))
+        want_mask = np.array([matches(where.to_json(), r) and live
+                              for r, live in zip(rows, index.live, strict=True)])
+        got = one.search_vector(q, k, where=where)
+        parts = asyncio.run(fan.search_vector(q, k, (), (), where, ""))
+        assert len(got) == len(parts) == min(k, int(want_mask.sum()))
+        want = index.to_item_ids(np.array(brute_force(vectors, want_mask, q, k), dtype=np.int64)).tolist()
+        # exact: Flat, or a filter narrow enough that every partition scans all its lists (each
+        # partition decides from its own share of the matches: a margin below FULL_SCAN_SHARE's bound)
+        if index_type == "flat" or want_mask.sum() <= 0.7 * 4 * index.live_total / (FULL_SCAN_SHARE * 32):
+            assert [h["item_id"] for h in got] == want, (i, where.key)
+            assert parts == got, (i, where.key)
+    item = rows[int(np.flatnonzero(index.live)[3])]["item_id"]
+    boots = parse_filter({"category": "boots"})
+    hits = one.search_item(item, 5, where=boots)
+    assert hits == asyncio.run(fan.search_item(item, 5, (), (), False, boots, ""))
+    assert {h["metadata"]["category"] for h in hits} == {"boots"}
+    for bad, named in [({"colour": "red"}, "colour"), ({"price": "cheap"}, "price"),
+                       ({"in_stock": {"gt": 1}}, "in_stock")]:
+        with pytest.raises(RequestError, match=named) as one_error:
+            one.search_vector(vectors[0], 3, where=parse_filter(bad))
+        with pytest.raises(RequestError, match=named) as fan_error:
+            asyncio.run(fan.search_vector(vectors[0], 3, (), (), parse_filter(bad), ""))
+        assert one_error.value.status == fan_error.value.status == 422
+    stats = asyncio.run(fan.stats_async())
+    assert stats["filterable"] == one.stats()["filterable"]
+    assert stats["filterable"]["category"]["values"] == sorted(CATEGORIES)
+
+
+def test_jobs_search_filters_like_the_index(tmp_path):
+    """jobs/search.py's run_search with a filter: each query's results are the brute-force top-k of the
+    matching rows (Flat), fewer when fewer match; item queries leave the item out."""
+    index = built(tmp_path, "flat")
+    vectors, rows = all_vectors(index), rows_of(index)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((6, DIM)).astype(np.float32)
+    np.save(tmp_path / "q.npy", q)
+    cfg = IndexConfig(uri=str(tmp_path / "flat"), use_gpu=False)
+    for raw in ({"and": [{"category": "boots"}, {"price": {"lt": 50}}, {"in_stock": True}]},
+                {"brand": "brand-3", "stock": {"lt": 5}}, {"or": [{"label": 2}, {"tags": {"exists": True}}]}):
+        where = parse_filter(raw)
+        keep = np.array([matches(raw, r) and live for r, live in zip(rows, index.live, strict=True)])
+        out = run_search(cfg, 12, str(tmp_path / "q.npy"), out_uri=str(tmp_path / "r.parquet"), where=where)
+        for i in range(len(q)):
+            got = [r["item_id"] for r in out.results.to_pylist() if r["query"] == f"q{i}"]
+            want = index.to_item_ids(np.array(brute_force(vectors, keep, q[i], 12), dtype=np.int64)).tolist()
+            assert got == want, (raw, i)
+    item = rows[int(np.flatnonzero(index.live)[0])]["item_id"]
+    out = run_search(cfg, 5, item_ids=[item], out_uri=str(tmp_path / "i.parquet"),
+                     where=parse_filter({"category": "heels"}))
+    assert len(out.results) == 5 and item not in out.results["item_id"].to_pylist()
+    assert set(json.loads(m)["category"] for m in out.results["metadata"].to_pylist()) == {"heels"}
+
+
+def test_a_csv_tables_text_cells_filter_as_numbers_and_booleans():
+    """A CSV table's metadata is stored as text: plain numbers filter as numbers, true/false as
+    booleans, and text with a leading zero (a zip code) stays text."""
+    rows = [{"price": "10", "weight": "2.5", "in_stock": "true", "zip": "02134", "size": "42"},
+            {"price": "7", "weight": "1e3", "in_stock": "false", "zip": "10001", "size": "XL"},
+            {"price": "-3", "in_stock": "true", "zip": "94103"}, {}]
+    table = filter_table(pa.table({"metadata": [json.dumps(r) for r in rows]}))
+    types = merged_types([table])
+    assert {c: types[c] for c in ("price", "weight", "in_stock", "zip", "size")} == \
+        {"price": "number", "weight": "number", "in_stock": "boolean", "zip": "string", "size": "string"}
+    assert table["price"].type == pa.int64() and table["weight"].type == pa.float64()
+    cheap = parse_filter({"price": {"lt": 8}, "in_stock": True})
+    assert evaluate(cheap, table).tolist() == [False, False, True, False]
+    assert evaluate(parse_filter({"weight": {"gte": 2.5}}), table).tolist() == [True, True, False, False]
+    assert evaluate(parse_filter({"zip": "02134"}), table).tolist() == [True, False, False, False]
