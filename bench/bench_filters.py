@@ -20,7 +20,12 @@ Rows, interleaved query by query (the same query vectors for every row):
                       varying): the selection is evaluated on the columns every time
 
 recall@10: the hits against the exact top 10 of the matching items (numpy over every vector).
-ratio: the row's p50 / the unfiltered p50. Results: bench/results/bench_filters.{json,md}.
+ratio: the row's p50 / the unfiltered p50.
+
+The crossover table measures puma.index.filtered.FULL_SCAN_SHARE: for filters keeping a fraction f,
+the FAISS search alone (ShardedIndex.search_ids with the selection) visiting nprobe / f lists against
+visiting every list; the full scan is taken where it is no slower, and FULL_SCAN_SHARE is the share of
+the lists nprobe / f reaches there. Results: bench/results/bench_filters.{json,md}.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from bench.record import record  # noqa: E402
 from puma.config import IndexConfig  # noqa: E402
 from puma.index import build_index  # noqa: E402
 from puma.index.filters import parse_filter  # noqa: E402
+from puma.index.search import Selection  # noqa: E402
 from puma.serve.live_index import LiveIndex  # noqa: E402
 
 SELECTIVITIES = (0.5, 0.05, 0.005, 0.0001)
@@ -87,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         live = LiveIndex(cfg, "bench", args.dim)
         nlist = live.state.manifest.nlist
         rows = measure(live, x, bucket, colour, args)
+        crossover = measure_crossover(live, x, bucket, args)
     payload = {"items": args.items, "dim": args.dim, "nlist": nlist, "nprobe": args.nprobe,
-               "queries": args.queries, "build_s": round(built_s, 1), "rows": rows}
+               "queries": args.queries, "build_s": round(built_s, 1), "rows": rows, "crossover": crossover}
     record(args.name, payload, markdown(payload), f"Filtered search on a {args.items:,}-item IVF index")
     return 0
 
@@ -112,6 +119,35 @@ def measure(live: LiveIndex, x: np.ndarray, bucket: np.ndarray, colour: np.ndarr
                                  (bucket >= low) & (bucket < low + t), x)
     base = rows["unfiltered"].p50()
     return [r.summary(base) for r in rows.values()]
+
+
+CROSSOVER_FRACTIONS = (0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
+
+
+def measure_crossover(live: LiveIndex, x: np.ndarray, bucket: np.ndarray,
+                      args: argparse.Namespace) -> list[dict]:
+    """FAISS alone, per fraction f: nprobe / f lists against every list (p50 ms over the queries)."""
+    import math
+
+    index = live.state.index
+    nlist = index.manifest.nlist
+    rng = np.random.default_rng(2)
+    queries = x[rng.integers(0, len(x), args.queries)].astype(np.float32)
+    out = []
+    for f in CROSSOVER_FRACTIONS:
+        chosen = index.select((bucket < round(f * BUCKETS)) & index.live)
+        unscaled = Selection(chosen.bits, chosen.size)  # count -1: nprobe as given
+        scaled = min(nlist, math.ceil(args.nprobe / f))
+        times = {"scaled": [], "full": []}
+        for q in queries:
+            for name, nprobe in (("scaled", scaled), ("full", nlist)):
+                start = time.perf_counter()
+                index.search_ids(q[None, :], 10, nprobe=nprobe, allowed=unscaled)
+                times[name].append(time.perf_counter() - start)
+        row = {"fraction": f, "lists_scaled": scaled, "share_of_lists": round(scaled / nlist, 3),
+               **{f"{name}_p50_ms": round(float(np.median(t)) * 1000, 2) for name, t in times.items()}}
+        out.append(row)
+    return out
 
 
 class Row:
@@ -153,6 +189,12 @@ def markdown(payload: dict) -> str:
     for r in payload["rows"]:
         lines.append(f"| {r['row']} | {r['p50_ms']} | {r['p99_ms']} | {r['x_unfiltered']} | "
                      f"{r['recall_at_10']} | {r['min_recall_at_10']} | {r['short_answers']} |")
+    lines += ["", "Crossover (FAISS alone): a filter keeping f, nprobe / f lists against every list.", "",
+              "| f | lists nprobe / f | share of the lists | nprobe / f p50 ms | every list p50 ms |",
+              "|---:|---:|---:|---:|---:|"]
+    for r in payload["crossover"]:
+        lines.append(f"| {r['fraction']} | {r['lists_scaled']} | {r['share_of_lists']} | "
+                     f"{r['scaled_p50_ms']} | {r['full_p50_ms']} |")
     return "\n".join(lines)
 
 

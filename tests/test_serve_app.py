@@ -208,7 +208,7 @@ def test_image_queries_find_the_photo_and_rank_like_brute_force(service):
     data = photo.read_bytes()
     status, _, raw = call(service, "POST", "search?k=6", data, "image/jpeg")
     assert status == 200 and raw["query"] == {"kind": "image", "bytes": len(data), "k": 6, "dataset": [],
-                                              "catalogue": []}
+                                              "catalogue": [], "filter": None}
     hits = raw["hits"]
     assert [h["item_id"] for h in hits] == brute_force(ids, x, x[ids.index(own)], 6)
     assert hits[0]["item_id"] == own and hits[0]["score"] == pytest.approx(1.0, abs=1e-4)

@@ -113,7 +113,8 @@ def index_search(index: ShardedIndex, vectors: np.ndarray, query_items: np.ndarr
         exclude = bool((self_index[rows] >= 0).any())
         for start in range(0, len(rows), chunk):
             part = rows[start:start + chunk]
-            scores, ids = index.search_ids(vectors[query_items[part]], k + exclude, allowed=allowed)
+            scores, ids = index.search_ids(vectors[query_items[part]], k + exclude, allowed=allowed,
+                                           widen=False)  # the index as configured: nprobe lists
             if exclude:
                 scores, ids = drop_self(scores, ids, own[part])  # (n, k)
             yield start, np.where(ids >= 0, gallery_row[np.maximum(ids, 0)], -1)

@@ -225,13 +225,15 @@ class ShardedIndex:
         return scores, self.to_item_ids(ids)
 
     def search_ids(self, queries: np.ndarray, k: int, nprobe: int | None = None,
-                   allowed: np.ndarray | Selection | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   allowed: np.ndarray | Selection | None = None,
+                   widen: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Top-k over all shards as rows: (Q, E) -> (Q, k) scores, (Q, k) int64 rows.
 
         ``allowed``: bool (N,) over rows, or its ``select``-ed form (prepared once, reused by many
         searches); only those are returned (-1 pads when fewer than k). On IVF the search visits more
         lists the fewer rows are allowed, up to all of them, and a query left with fewer hits than
-        allowed rows is searched again over every list (``puma.index.filtered``).
+        allowed rows is searched again over every list (``puma.index.filtered``); ``widen=False``
+        visits exactly ``nprobe`` lists (evaluation: the index as configured).
         """
         q = self._check_queries(queries, k)
         nprobe = nprobe or self.nprobe
@@ -242,10 +244,10 @@ class ShardedIndex:
             raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
                                   "state of the index (select again)")
         selector, nlist = backend.bitmap_selector(chosen.bits), self.manifest.nlist
-        if nlist and chosen.count >= 0:
+        if nlist and widen and chosen.count >= 0:
             nprobe = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total)
         scores, rows = self._search_all(q, k, nprobe, selector)
-        if nlist and nprobe < nlist:
+        if nlist and widen and nprobe < nlist:
             wanted = k if chosen.count < 0 else min(k, chosen.count)
             short = (rows >= 0).sum(axis=1) < wanted  # (Q,)
             if short.any():
