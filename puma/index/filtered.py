@@ -32,7 +32,8 @@ from puma.index.table import CATALOGUE, CLASS_NAME, DATASET, LABEL, METADATA
 
 BUILT_IN = (DATASET, CATALOGUE, LABEL, CLASS_NAME)  # filterable on every index
 SOURCE_COLUMNS = (*BUILT_IN, METADATA)  # what a shard's filter table is made from
-FULL_SCAN_SHARE = 0.25  # visit every list once nprobe / fraction reaches this share of them (bench_filters)
+FULL_SCAN_SHARE = 0.8  # visit every list once nprobe / fraction reaches this share of them: measured, the
+# share where visiting nprobe / f lists costs as much as every list (bench/results/bench_filters.md)
 DICTIONARY_SHARE = 0.5  # a string column is dictionary-encoded when its distinct values are below this share
 
 
