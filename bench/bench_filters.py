@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -127,8 +128,6 @@ CROSSOVER_FRACTIONS = (0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
 def measure_crossover(live: LiveIndex, x: np.ndarray, bucket: np.ndarray,
                       args: argparse.Namespace) -> list[dict]:
     """FAISS alone, per fraction f: nprobe / f lists against every list (p50 ms over the queries)."""
-    import math
-
     index = live.state.index
     nlist = index.manifest.nlist
     rng = np.random.default_rng(2)

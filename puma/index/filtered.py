@@ -93,8 +93,12 @@ def merged_types(tables: list[pa.Table]) -> dict[str, str]:
                 seen.setdefault(name, set()).add(kind)
     for name in BUILT_IN:
         seen.setdefault(name, {"number" if name == LABEL else "string"})
-    return {name: kinds.pop() if len(kinds) == 1 else "json" if "json" in kinds else "string"
-            for name, kinds in sorted(seen.items())}
+    return {name: merged_type(kinds) for name, kinds in sorted(seen.items())}
+
+
+def merged_type(kinds: set[str]) -> str:
+    """A column's one type from the types its shards (or partitions) give it (``merged_types``' rule)."""
+    return next(iter(kinds)) if len(kinds) == 1 else "json" if "json" in kinds else "string"
 
 
 def merged_description(tables: list[pa.Table], live: list[np.ndarray], max_values: int = 50) -> dict:

@@ -42,7 +42,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -132,31 +132,30 @@ class Condition(Filter):
 
 
 @dataclass(frozen=True, eq=False)
-class And(Filter):
+class Joined(Filter):
+    """Parts joined by ``OP`` (And, Or)."""
+
+    parts: tuple[Filter, ...]
+    OP: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        return _joined_json(self.OP, self.parts)
+
+    def conditions(self) -> Iterator[Condition]:
+        for part in self.parts:
+            yield from part.conditions()
+
+
+class And(Joined):
     """Every part matches."""
 
-    parts: tuple[Filter, ...]
-
-    def to_json(self) -> dict:
-        return _joined_json("and", self.parts)
-
-    def conditions(self) -> Iterator[Condition]:
-        for part in self.parts:
-            yield from part.conditions()
+    OP = "and"
 
 
-@dataclass(frozen=True, eq=False)
-class Or(Filter):
+class Or(Joined):
     """At least one part matches."""
 
-    parts: tuple[Filter, ...]
-
-    def to_json(self) -> dict:
-        return _joined_json("or", self.parts)
-
-    def conditions(self) -> Iterator[Condition]:
-        for part in self.parts:
-            yield from part.conditions()
+    OP = "or"
 
 
 @dataclass(frozen=True, eq=False)
@@ -380,7 +379,7 @@ def evaluate(f: Filter, table: pa.Table) -> np.ndarray:
         return _condition_rows(f, table)
     if isinstance(f, Not):
         return ~evaluate(f.part, table)
-    if isinstance(f, (And, Or)):
+    if isinstance(f, Joined):
         combine = np.logical_and if isinstance(f, And) else np.logical_or
         return functools.reduce(combine, (evaluate(part, table) for part in f.parts))
     raise TypeError(f"expected a Filter from parse_filter, got {type(f).__name__}")

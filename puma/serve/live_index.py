@@ -41,7 +41,7 @@ from PIL import Image
 from puma.config import IndexConfig
 from puma.data.images import ImageRejected, decode_image
 from puma.index.cache import LocalCache
-from puma.index.filters import Filter, FilterError, parse_filter
+from puma.index.filters import Filter, FilterError
 from puma.index.manifest import Manifest, has_manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import Holding, Selection, ShardedIndex, drop_self
@@ -61,6 +61,7 @@ from puma.inference.catalogue import catalogue_name
 from puma.inference.embedder import read_image_bytes
 from puma.serve.errors import RequestError
 from puma.serve.partitions import ORDER, Partition, index_bytes
+from puma.serve.requests import filter_option
 
 log = logging.getLogger(__name__)
 HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CLASS_NAME, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA]
@@ -166,7 +167,7 @@ class LiveIndex:
         filter, puma.index.filters); 422 when the vector has the wrong length or the filter cannot apply."""
         state = self._searchable()
         self.check_vector(vector)
-        allowed, _ = self._allowed(state, datasets, catalogues, _parsed(where))
+        allowed, _ = self._allowed(state, datasets, catalogues, filter_option(where))
         scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
         return _hits(state, scores[0], ids[0])
 
@@ -180,7 +181,7 @@ class LiveIndex:
         if state.index is None or not state.items:
             columns = sorted(where.columns()) if where is not None else []
             return {"hits": [], "items": 0, "unknown": _named(datasets, catalogues, columns)}
-        allowed, unknown = self._allowed(state, datasets, catalogues, _parsed(where), strict=False)
+        allowed, unknown = self._allowed(state, datasets, catalogues, filter_option(where), strict=False)
         scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
         return _part_answer(state, scores[0], ids[0], unknown)
 
@@ -234,7 +235,7 @@ class LiveIndex:
         state = self._searchable()
         own = self._lookup(state, item_id)  # (1,)
         vector = state.index.vector(int(own[0]))[None, :]  # (1, E)
-        allowed, _ = self._allowed(state, datasets, catalogues, _parsed(where))
+        allowed, _ = self._allowed(state, datasets, catalogues, filter_option(where))
         extra = 0 if include_self else 1
         scores, ids = state.index.search_ids(vector, min(k + extra, state.items), allowed=allowed)
         if extra and ids.shape[1] > 0:
@@ -469,16 +470,6 @@ def _live_counts(index: ShardedIndex, column: str) -> dict[str, int]:
         for value, n in _counts(values.filter(live)).items():
             total[value] = total.get(value, 0) + n
     return dict(sorted(total.items()))
-
-
-def _parsed(where: Filter | dict | None) -> Filter | None:
-    """A filter, from its JSON form as partitions receive it; 422 when it is not one."""
-    if where is None or isinstance(where, Filter):
-        return where
-    try:
-        return parse_filter(where)
-    except FilterError as exc:
-        raise RequestError(422, f"filter: {exc}") from exc
 
 
 def _filterable(state: State) -> dict:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from puma.index.filtered import merged_type
 from puma.index.filters import Filter
 from puma.index.manifest import Manifest
 from puma.serve.errors import RequestError
@@ -140,8 +141,7 @@ def merged_filterable(parts: list[dict], max_values: int = 50) -> dict:
     for part in parts:
         for name, info in part.items():
             have = out.setdefault(name, {"type": info["type"], "values": set(info.get("values", []))})
-            if have["type"] != info["type"]:
-                have["type"] = "json" if "json" in (have["type"], info["type"]) else "string"
+            have["type"] = merged_type({have["type"], info["type"]})
             if have["values"] is not None and "values" in info:
                 have["values"].update(info["values"])
             elif info["type"] == "string":

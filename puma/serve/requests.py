@@ -163,12 +163,12 @@ def parse_options(options: Mapping, limits: Limits) -> dict:
             "datasets": _names(options.get("dataset"), "dataset"),
             "catalogues": _names(options.get("catalogue"), "catalogue"),
             "include_self": _flag(_one(options, "include_self", False)),
-            "where": _filter(options.get("filter"))}
+            "where": filter_option(options.get("filter"))}
 
 
-def _filter(value) -> Filter | None:
-    """The "filter" option: a JSON object (or its text, from a query parameter or form field); 422 naming
-    what is wrong when it is not a filter."""
+def filter_option(value) -> Filter | None:
+    """The "filter" option: a JSON object (or its text, from a query parameter or form field; or a parsed
+    Filter); 422 naming what is wrong when it is not a filter."""
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         value = value[-1]  # query parameters and form fields: the last one
     if value is None or value == "":
