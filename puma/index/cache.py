@@ -95,6 +95,11 @@ def compact_table(table: pa.Table, schema: pa.Schema | None = None) -> pa.Table:
     return table
 
 
+def as_dictionary(array: pa.Array) -> pa.Array:
+    """A string array dictionary-encoded with the narrowest index type its values need."""
+    return _cast(pa.chunked_array([array]), pa.dictionary(pa.int32(), array.type)).combine_chunks()
+
+
 def _cast(column: pa.ChunkedArray, to: pa.DataType) -> pa.ChunkedArray:
     if column.type == to:
         return column

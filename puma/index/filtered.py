@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from puma.index.cache import as_dictionary
 from puma.index.filters import column_types, describe_columns, metadata_columns
 from puma.index.table import CATALOGUE, CLASS_NAME, DATASET, LABEL, METADATA
 
@@ -78,7 +79,7 @@ def _compact(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     if (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)) and len(array):
         distinct = pc.count_distinct(array).as_py()
         if distinct < DICTIONARY_SHARE * len(array):
-            return pc.dictionary_encode(array)
+            return as_dictionary(array)
     return array
 
 
