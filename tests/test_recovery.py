@@ -360,7 +360,7 @@ def test_each_worker_group_gets_the_training_stream_at_the_epoch_it_resumes_from
     epoch after the run's newest complete checkpoint, not epoch 1's again."""
     import ray.data
 
-    from puma.train.driver import ResumedStream
+    from puma.train.recovery import ResumedStream
 
     stream = ResumedStream(ray.data.range(4), run_uri, storage.current_config())
     assert stream().context._execution_idx == 0  # a fresh run starts at epoch 1

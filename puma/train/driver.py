@@ -19,6 +19,7 @@ from puma.methods import METHODS, check_config, get_method
 from puma.run_folder import RunFolder
 from puma.train.data_init import check_data_init, needs_data_init
 from puma.train.loop import TRAIN_EVAL, train_loop_per_worker
+from puma.train.recovery import ResumedStream
 
 
 @dataclass
@@ -144,25 +145,6 @@ def build_datasets(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     if get_method(cfg.model.method).needs_train_eval or needs_data_init(cfg):
         datasets[TRAIN_EVAL] = pipeline.eval_dataset(cfg, manifest, "train", mean, std)
     return datasets, info
-
-
-@dataclass
-class ResumedStream:
-    """The training stream as Ray Train's controller fetches it for every worker group it starts (the
-    first, and each one after a lost worker): starting at the epoch the group will resume from, the
-    run's newest complete checkpoint, so an epoch's shuffle and crops are the same with or without a
-    resume (``pipeline.start_at_epoch``)."""
-
-    dataset: Any  # ray.data.Dataset
-    run_uri: str
-    storage_settings: Any  # storage.current_config() of the driver: the controller is another process
-
-    def __call__(self):
-        from puma.data.pipeline import start_at_epoch
-
-        storage.configure(self.storage_settings)
-        found = newest_complete(self.run_uri)
-        return start_at_epoch(self.dataset, found.epoch if found is not None else 0)
 
 
 def steps_per_epoch(cfg: Config, rows: int) -> int:

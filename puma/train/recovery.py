@@ -51,6 +51,7 @@ from puma.checkpoint import (
     Found,
     IncompleteCheckpointError,
     best_record,
+    newest_complete,
     publish_best,
     scan_run,
 )
@@ -233,3 +234,24 @@ def reconcile_best(best_uri: str, metric: str, best_value: float, best_epoch: in
     if held is None:
         return Best(float("-inf"), 0, unreadable=unreadable)
     return Best(held_value, int(held["epoch"] or 0))
+
+
+@dataclass
+class ResumedStream:
+    """The training stream as Ray Train's controller fetches it for every worker group it starts (the
+    first, and each one after a lost worker): starting at the epoch the group will resume from, the
+    run's newest complete checkpoint, so an epoch's shuffle and crops are the same with or without a
+    resume (``pipeline.start_at_epoch``). It lives here, not in the driver's module: the controller
+    unpickles it, and importing the driver's module there would import the model, the losses and
+    their libraries (about 5 CPU seconds a run) in a process that never trains."""
+
+    dataset: Any  # ray.data.Dataset
+    run_uri: str
+    storage_settings: Any  # storage.current_config() of the driver: the controller is another process
+
+    def __call__(self):
+        from puma.data.pipeline import start_at_epoch
+
+        storage.configure(self.storage_settings)
+        found = newest_complete(self.run_uri)
+        return start_at_epoch(self.dataset, found.epoch if found is not None else 0)
