@@ -6,10 +6,12 @@ A replica serving millions of items keeps their hit fields (item id, image URI, 
 ``<folder>/<sha256 of the shard's Parquet>.arrow`` (one record batch; repetitive strings
 dictionary-encoded, small integers narrowed: ``compact_table``), and a query reads its k rows' values
 with positioned reads (``os.pread``) at the offsets of the file's Arrow buffers. The bytes stay in the
-kernel's page cache, shared and reclaimable, and are never mapped into the process: a memory map would
-count every page a query touched in the replica's resident memory (about 10 pages per hit), growing it
-towards the whole file as queries spread over the catalogue. Measured on 250,000-row shards of a
-realistic table: about 20 us a hit on this machine's page cache.
+kernel's page cache, shared and reclaimable, and are not mapped into the process for these reads: a
+memory map would count every page a query touched in the replica's resident memory (about 10 pages per
+hit), growing it towards the whole file as queries spread over the catalogue. Measured on 250,000-row
+shards of a realistic table: about 20 us a hit on this machine's page cache. The one exception is the
+embedding column of a selective filter's brute force (``ColumnFile.matrix``), which reads thousands of
+rows a query: it is mapped, and what it touched is file-backed memory (like on-disk lists).
 
 The folder (``<root>/puma-serve-<pid>-<random>``) belongs to one LiveIndex: files no loaded state uses
 are deleted after each load (a request still holding an older state reads through its open descriptor:
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -139,6 +142,7 @@ class ColumnFile:
             self.num_rows = batch.num_rows
             self._columns = {name: _Layout(batch.column(name).chunk(0), base) for name in batch.column_names}
             del batch
+        self._matrices: dict[str, np.ndarray] = {}
         self._fd = os.open(path, os.O_RDONLY)
         self._close = weakref.finalize(self, os.close, self._fd)
 
@@ -149,6 +153,23 @@ class ColumnFile:
     def value(self, column: str, row: int):
         """One value as a Python object (an embedding: float32 (E,)); None where null."""
         return self._columns[column].value(self._fd, row)
+
+    def matrix(self, name: str) -> np.ndarray:
+        """A column of float vectors as a read-only (num_rows, E) array mapped from the file, for reading
+        many rows at once (a filtered search's brute force over its selected rows). Unlike the row reads,
+        the pages such reads touch count in the process's file-backed resident memory, as on-disk lists'
+        do: shared with the page cache and reclaimable. Mapped once, on first use."""
+        matrix = self._matrices.get(name)
+        if matrix is None:
+            layout = self._columns[name]
+            if layout.read != layout._vector:
+                raise TypeError(f"column {name!r} of {self.path} is not a column of float vectors")
+            with open(self.path, "rb") as f:  # a plain array over the map (np.memmap's indexing is slower)
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            dim = layout.width // layout.dtype.itemsize
+            matrix = np.frombuffer(mapped, layout.dtype, self.num_rows * dim, layout.position)
+            matrix = self._matrices[name] = matrix.reshape(self.num_rows, dim)
+        return matrix
 
     def column(self, name: str) -> pa.Array:
         """A whole column read into memory (for the few columns a caller keeps)."""

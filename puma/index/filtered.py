@@ -9,9 +9,14 @@ zero, so ``02134`` stays text) is a number column, and one of only ``true`` and 
 column (``typed_text``). A metadata key named like a built-in column is shadowed by it. String columns
 whose values repeat are dictionary-encoded, so a category or brand costs a byte or two per item.
 
-Exactness on IVF (``filtered_nprobe``): a filter that keeps a fraction f of the items leaves about f of
-each inverted list's items, so a search that visits nprobe / f lists meets as many matching candidates
-as an unfiltered search visiting nprobe lists. Once that is most of the lists
+Few selected rows (``brute_force``: at most ``BRUTE_FORCE_VALUES`` rows x dimensions) are scanned
+exactly (``exact_topk``): their stored embeddings are gathered (``ShardedIndex.vectors_at``: from the
+replica's column file, memory-mapped, or the shards' Parquet) and ranked with numpy, whatever the index
+type, so a selective filter costs what it selects, not what the index holds.
+
+Exactness on IVF (``filtered_nprobe``), for larger selections: a filter that keeps a fraction f of the
+items leaves about f of each inverted list's items, so a search that visits nprobe / f lists meets as
+many matching candidates as an unfiltered search visiting nprobe lists. Once that is most of the lists
 (``FULL_SCAN_SHARE``), the search visits every list: with the selector it computes distances only for
 the selected items, an exact scan of them (on IVF-Flat the lists hold the vectors themselves). A
 search that still returns fewer hits than items match (a filter concentrated far from the query) is
@@ -35,6 +40,9 @@ BUILT_IN = (DATASET, CATALOGUE, LABEL, CLASS_NAME)  # filterable on every index
 SOURCE_COLUMNS = (*BUILT_IN, METADATA)  # what a shard's filter table is made from
 FULL_SCAN_SHARE = 0.8  # visit every list once nprobe / fraction reaches this share of them: measured, the
 # share where visiting nprobe / f lists costs as much as every list (bench/results/bench_filters.md)
+BRUTE_FORCE_VALUES = 5_000_000  # a selection of at most this many rows x dimensions is scanned exactly:
+# measured, where the scan (about 80 ns a row to gather a 64-d embedding, then numpy) costs as much as
+# FAISS with the selection, about 80,000 rows at 64-d of a 1M-item IVF index (bench/results/bench_filters.md)
 DICTIONARY_SHARE = 0.5  # a string column is dictionary-encoded when its distinct values are below this share
 
 
@@ -142,3 +150,49 @@ def filtered_nprobe(nprobe: int, nlist: int, selected: int, live: int) -> int:
 
 def _all_null(column: pa.ChunkedArray) -> bool:
     return column.null_count == len(column)
+
+
+def brute_force(selected: int, dim: int) -> bool:
+    """Whether a search among ``selected`` rows scans their vectors exactly instead of asking FAISS
+    (``BRUTE_FORCE_VALUES``)."""
+    return selected * dim <= BRUTE_FORCE_VALUES
+
+
+def exact_topk(vectors: np.ndarray, rows: np.ndarray, q: np.ndarray, k: int,
+               metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """The exact top-k of queries (Q, E) among rows (n,) ascending, with their vectors (n, E): (Q, k)
+    scores (inner products for "ip", squared distances for "l2", as FAISS gives them) and rows, best
+    first, equal scores in row order; -1 pads (score -inf for ip, +inf for l2) when n < k.
+
+    Every row is scored in float32; the best 2k + 8 are scored again in float64 and ranked by that, so
+    a row's score and rank do not depend on which other rows were scanned with it (an index partition
+    scans its own share of the selected rows)."""
+    largest = metric == "ip"
+    take = min(k, len(rows))
+    shortlist = _best(_scores(vectors, q, largest), min(len(rows), 2 * k + 8), largest)  # (Q, m)
+    exact = np.stack([_scores(vectors[s].astype(np.float64), qi[None, :].astype(np.float64), largest)[0]
+                      for s, qi in zip(shortlist, q, strict=True)]) if len(rows) else np.zeros((len(q), 0))
+    key = -exact if largest else exact
+    order = np.lexsort((np.take(rows, shortlist), key), axis=-1)[:, :take] if len(rows) else \
+        np.zeros((len(q), 0), dtype=np.int64)  # by score, then row
+    out_scores = np.full((len(q), k), -np.inf if largest else np.inf, dtype=np.float32)
+    out_rows = np.full((len(q), k), -1, dtype=np.int64)
+    out_scores[:, :take] = np.take_along_axis(exact, order, axis=1)
+    out_rows[:, :take] = rows[np.take_along_axis(shortlist, order, axis=1)]
+    return out_scores, out_rows
+
+
+def _scores(vectors: np.ndarray, q: np.ndarray, largest: bool) -> np.ndarray:
+    """(Q, n) inner products, or squared distances, in the inputs' precision."""
+    products = q @ vectors.T
+    if largest:
+        return products
+    norms = np.einsum("ij,ij->i", vectors, vectors)[None, :], np.einsum("ij,ij->i", q, q)[:, None]
+    return norms[0] - 2 * products + norms[1]
+
+
+def _best(scores: np.ndarray, m: int, largest: bool) -> np.ndarray:
+    """The positions (Q, m) of each row's m best scores, in no order."""
+    if m >= scores.shape[1]:
+        return np.broadcast_to(np.arange(scores.shape[1]), scores.shape).copy()
+    return np.argpartition(-scores if largest else scores, m - 1, axis=1)[:, :m]

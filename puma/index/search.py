@@ -40,6 +40,8 @@ from puma.index import backend
 from puma.index.cache import ColumnFile, LocalCache, read_compact
 from puma.index.filtered import (
     SOURCE_COLUMNS,
+    brute_force,
+    exact_topk,
     filter_table,
     filtered_nprobe,
     merged_description,
@@ -76,6 +78,7 @@ class Selection:
     bits: np.ndarray  # (ceil(size/8),) uint8, little-endian bit order
     size: int  # global ids covered
     count: int = -1  # rows selected (-1: not counted); an IVF search looks further the fewer there are
+    rows: np.ndarray | None = None  # the selected rows, ascending, when few enough for a brute force
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,8 @@ class ShardedIndex:
         if chosen.size != (self.ntotal if self._gapless else self.manifest.next_id):
             raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
                                   "state of the index (select again)")
+        if widen and chosen.rows is not None:  # few rows: an exact scan of their vectors
+            return exact_topk(self.vectors_at(chosen.rows), chosen.rows, q, k, self.manifest.metric)
         selector, nlist = backend.bitmap_selector(chosen.bits), self.manifest.nlist
         if nlist and widen and chosen.count >= 0:
             nprobe = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total)
@@ -288,7 +293,24 @@ class ShardedIndex:
         """A bool mask (N,) over rows as a restricted search's bitmap over FAISS global ids (N/8 bytes)."""
         rows_mask = self._check_allowed(allowed)
         mask = self._id_mask(rows_mask)
-        return Selection(np.packbits(mask, bitorder="little"), len(mask), int(np.count_nonzero(rows_mask)))
+        count = int(np.count_nonzero(rows_mask))
+        rows = np.flatnonzero(rows_mask) if brute_force(count, self.dim) else None
+        return Selection(np.packbits(mask, bitorder="little"), len(mask), count, rows)
+
+    def vectors_at(self, rows: np.ndarray) -> np.ndarray:
+        """The stored embeddings of rows (n,), ascending, as (n, E) float32: from the held embedding
+        column (in memory or mapped from the column file), else read from the shards' Parquet."""
+        shard, local = self.locate(rows)
+        bounds = np.searchsorted(shard, np.arange(len(self._loaded) + 1))
+        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        for s in np.flatnonzero(np.diff(bounds)):
+            at = slice(bounds[s], bounds[s + 1])
+            loaded = self._loaded[s]
+            if loaded.holds(EMBEDDING):
+                loaded.vectors(local[at], out[at])
+            else:
+                out[at] = embedding_matrix(self.rows(rows[at], [ITEM_ID, EMBEDDING]))
+        return out
 
     def _to_rows(self, ids: np.ndarray) -> np.ndarray:
         """FAISS global ids (any shape, -1: none) -> rows (same shape, -1: none)."""
@@ -531,6 +553,18 @@ class LoadedShard:
         if ids is not None:
             return ids.take(pa.array(rows, pa.int64())).to_pylist()
         return [self.file.value(ITEM_ID, r) for r in rows.tolist()]
+
+    def vectors(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """The held embedding column at rows (n,) into ``out`` (n, E) float32."""
+        held = self.arrays.get(EMBEDDING)
+        if held is None:
+            matrix = self.file.matrix(EMBEDDING)
+        else:
+            matrix = held.flatten().to_numpy(zero_copy_only=False).reshape(len(held), -1)
+        if matrix.dtype == np.float32:
+            np.take(matrix, rows, axis=0, out=out)
+        else:
+            out[:] = matrix[rows]
 
     def values(self, row: int, columns: list[str]) -> dict:
         """One row's values of ``columns`` as Python objects (an embedding: float32 (E,) from the file)."""
