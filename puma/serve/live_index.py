@@ -25,6 +25,7 @@ and per cached filter one bit. With index.on_disk the IVF lists are memory-mappe
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -271,7 +272,8 @@ class LiveIndex:
             by_dataset, unknown_datasets = _mask(state.index, DATASET, datasets, live)
             by_catalogue, unknown_catalogues = _catalogue_mask(state.index, catalogues, live)
             by_filter, unknown_columns = _filter_mask(state.index, where, strict)
-            chosen = state.index.select(by_dataset & by_catalogue & by_filter & live)
+            masks = [m for m in (by_dataset, by_catalogue, by_filter) if m is not None]
+            chosen = state.index.select(functools.reduce(np.logical_and, masks, live))
             state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
         chosen, unknown_datasets, unknown_catalogues, unknown_columns = state.selections[key]
         if strict and unknown_datasets:
@@ -430,11 +432,11 @@ def _part_answer(state: State, scores: np.ndarray, ids: np.ndarray, unknown: lis
 
 
 def _mask(index: ShardedIndex, column: str, names: tuple[str, ...],
-          live: np.ndarray) -> tuple[np.ndarray, list]:
-    """Items whose ``column`` is one of ``names`` (all items when none are named), and the names no
-    live item has."""
+          live: np.ndarray) -> tuple[np.ndarray | None, list]:
+    """Items whose ``column`` is one of ``names`` (None: every item, when none are named), and the names
+    no live item has."""
     if not names:
-        return np.ones(index.ntotal, dtype=bool), []
+        return None, []
     present = set(_live_counts(index, column))
     wanted = pa.array(names, pa.string())
     mask = np.concatenate([pc.is_in(values, value_set=wanted).fill_null(False).to_numpy(zero_copy_only=False)
@@ -443,8 +445,11 @@ def _mask(index: ShardedIndex, column: str, names: tuple[str, ...],
 
 
 def _catalogue_mask(index: ShardedIndex, names: tuple[str, ...],
-                    live: np.ndarray) -> tuple[np.ndarray, list]:
-    """Items of the named catalogues, each named by its URI or its folder name; and unknown names."""
+                    live: np.ndarray) -> tuple[np.ndarray | None, list]:
+    """Items of the named catalogues, each named by its URI or its folder name (None: every item, when
+    none are named); and unknown names."""
+    if not names:
+        return None, []
     by_name = _catalogue_names(index)
     uris = tuple(sorted({by_name[n] for n in names if n in by_name}))
     if names and not uris:  # only unknown names: no item (an empty name list means no filter)
@@ -485,13 +490,13 @@ def _named(datasets, catalogues, columns=()) -> list[str]:
         [f"column {n!r}" for n in columns]
 
 
-def _filter_mask(index: ShardedIndex, where: Filter | None, strict: bool) -> tuple[np.ndarray, list]:
-    """Rows ``where`` selects (all without a filter), and the columns it names that this index lacks.
+def _filter_mask(index: ShardedIndex, where: Filter | None, strict: bool) -> tuple[np.ndarray | None, list]:
+    """Rows ``where`` selects (None: all, without a filter), and the columns it names that this index lacks.
     ``strict``: a 422 for an unknown column, a wrong type or value (the whole index is here). Else (one
     partition of several) unknown columns are returned, since another partition may hold them, and
     match nothing here; the known columns are still checked."""
     if where is None:
-        return np.ones(index.ntotal, dtype=bool), []
+        return None, []
     types = index.filter_types
     unknown = sorted(c for c in where.columns() if c not in types)
     try:
