@@ -144,7 +144,7 @@ def test_the_plan_picks_partitions_from_size_and_budget(tmp_path: Path):
     count, why = partitions_for(manifest, 0, 8.0)
     assert count == 1 and "serve.index_replica_memory_gb=8 -> 1 partition" in why
     files = sum(s.index.bytes for s in manifest.shards) + manifest.trained.bytes
-    need = files * 1.2 + 600 * 64  # FAISS with headroom and 64 B per item (puma.serve.partitions)
+    need = files * 1.2 + 600 * 88  # FAISS with headroom and 88 B per item (puma.serve.partitions)
     count, why = partitions_for(manifest, 0, need / 4 / 1e9 * 1.01)
     assert count == 4 and "10 shard(s)" in why
     assert partitions_for(manifest, 0, 1e-9)[0] == 10  # never more partitions than shards

@@ -30,9 +30,11 @@ from puma.serve.errors import RequestError
 SHARD_NUMBER = re.compile(r"shard-(\d+)")
 ORDER = "_order"  # a partition's hits carry (-score unrounded, FAISS global id) for the merge (dropped after)
 HEADROOM = 1.2  # memory a loaded shard's FAISS index takes over its file (search buffers, the stacked lists)
-ITEM_BYTES = 64  # memory a served item takes beside FAISS: the id lookup (12 B), the live flag, dataset and
-# catalogue codes, cached filter bits (about 46 B measured at 10M items); its hit fields and embedding are
-# in the replica's local column file (page cache, not process memory)
+ITEM_BYTES = 88  # memory a served item takes beside FAISS: the id lookup (12 B), the live flag, dataset and
+# catalogue codes, cached filter bits (about 46 B measured at 10M items), its row of the filter table
+# (puma.index.filtered: about 21 B measured with the scale bench's metadata: category, brand, price, in
+# stock; more with more columns); its hit fields and embedding are in the replica's local column file
+# (page cache, not process memory; a selective filter's exact scan maps the embedding column)
 
 
 @dataclass(frozen=True)
