@@ -22,6 +22,11 @@ Rows, interleaved query by query (the same query vectors for every row):
 recall@10: the hits against the exact top 10 of the matching items (numpy over every vector).
 ratio: the row's p50 / the unfiltered p50.
 
+The scan table measures puma.index.filtered.BRUTE_FORCE_VALUES: for filters keeping a fraction f, the
+exact scan of the selected rows (their embeddings read from the replica's column file, then numpy)
+against FAISS with the selection (nprobe / f lists, or every list); the scan is taken up to the
+selection size where it stops being faster (rows x dim).
+
 The crossover table measures puma.index.filtered.FULL_SCAN_SHARE: for filters keeping a fraction f,
 the FAISS search alone (ShardedIndex.search_ids with the selection) visiting nprobe / f lists against
 visiting every list; the full scan is taken where it is no slower, and FULL_SCAN_SHARE is the share of
@@ -47,7 +52,7 @@ sys.path.insert(0, str(BENCH.parent))
 from bench.bench_index import clustered  # noqa: E402
 from bench.record import record  # noqa: E402
 from puma.config import IndexConfig  # noqa: E402
-from puma.index import build_index  # noqa: E402
+from puma.index import build_index, filtered  # noqa: E402
 from puma.index.filters import parse_filter  # noqa: E402
 from puma.index.search import Selection  # noqa: E402
 from puma.serve.live_index import LiveIndex  # noqa: E402
@@ -94,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         live = LiveIndex(cfg, "bench", args.dim)
         nlist = live.state.manifest.nlist
         rows = measure(live, x, bucket, colour, args)
+        scan = measure_scan(live, x, bucket, args)
         crossover = measure_crossover(live, x, bucket, args)
     payload = {"items": args.items, "dim": args.dim, "nlist": nlist, "nprobe": args.nprobe,
-               "queries": args.queries, "build_s": round(built_s, 1), "rows": rows, "crossover": crossover}
+               "queries": args.queries, "build_s": round(built_s, 1), "rows": rows, "scan": scan,
+               "brute_force_values": filtered.BRUTE_FORCE_VALUES, "crossover": crossover}
     record(args.name, payload, markdown(payload), f"Filtered search on a {args.items:,}-item IVF index")
     return 0
 
@@ -125,6 +132,34 @@ def measure(live: LiveIndex, x: np.ndarray, bucket: np.ndarray, colour: np.ndarr
 CROSSOVER_FRACTIONS = (0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
 
 
+def for_faiss(mask: np.ndarray) -> Selection:
+    """A selection FAISS searches whatever its size (the bench's index has no id gaps: rows = ids)."""
+    return Selection(np.packbits(mask, bitorder="little"), len(mask), int(mask.sum()))
+SCAN_FRACTIONS = (0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005)
+
+
+def measure_scan(live: LiveIndex, x: np.ndarray, bucket: np.ndarray, args: argparse.Namespace) -> list[dict]:
+    """Per fraction f: the exact scan of the selected rows against FAISS with the selection (p50 ms)."""
+    index = live.state.index
+    rng = np.random.default_rng(3)
+    queries = x[rng.integers(0, len(x), args.queries)].astype(np.float32)
+    out = []
+    for f in SCAN_FRACTIONS:
+        mask = (bucket < round(f * BUCKETS)) & index.live
+        chosen = for_faiss(mask)
+        ways = {"faiss": chosen,  # no rows: FAISS
+                "scan": Selection(chosen.bits, chosen.size, chosen.count, np.flatnonzero(mask))}
+        times = {name: [] for name in ways}
+        for q in queries:
+            for name, selection in ways.items():
+                start = time.perf_counter()
+                index.search_ids(q[None, :], 10, allowed=selection)
+                times[name].append(time.perf_counter() - start)
+        out.append({"fraction": f, "rows": int(chosen.count), "values": int(chosen.count) * args.dim,
+                    **{f"{name}_p50_ms": round(float(np.median(t)) * 1000, 2) for name, t in times.items()}})
+    return out
+
+
 def measure_crossover(live: LiveIndex, x: np.ndarray, bucket: np.ndarray,
                       args: argparse.Namespace) -> list[dict]:
     """FAISS alone, per fraction f: nprobe / f lists against every list (p50 ms over the queries)."""
@@ -134,7 +169,7 @@ def measure_crossover(live: LiveIndex, x: np.ndarray, bucket: np.ndarray,
     queries = x[rng.integers(0, len(x), args.queries)].astype(np.float32)
     out = []
     for f in CROSSOVER_FRACTIONS:
-        chosen = index.select((bucket < round(f * BUCKETS)) & index.live)
+        chosen = for_faiss((bucket < round(f * BUCKETS)) & index.live)
         unscaled = Selection(chosen.bits, chosen.size)  # count -1: nprobe as given
         scaled = min(nlist, math.ceil(args.nprobe / f))
         times = {"scaled": [], "full": []}
@@ -188,6 +223,13 @@ def markdown(payload: dict) -> str:
     for r in payload["rows"]:
         lines.append(f"| {r['row']} | {r['p50_ms']} | {r['p99_ms']} | {r['x_unfiltered']} | "
                      f"{r['recall_at_10']} | {r['min_recall_at_10']} | {r['short_answers']} |")
+    lines += ["", "Exact scan against FAISS (ShardedIndex.search_ids alone): a filter keeping f; the scan "
+              f"reads the selected rows' embeddings and ranks them; taken while rows x dim <= "
+              f"{payload['brute_force_values']:,} (BRUTE_FORCE_VALUES).", "",
+              "| f | rows | rows x dim | FAISS p50 ms | exact scan p50 ms |", "|---:|---:|---:|---:|---:|"]
+    for r in payload["scan"]:
+        lines.append(f"| {r['fraction']} | {r['rows']:,} | {r['values']:,} | {r['faiss_p50_ms']} | "
+                     f"{r['scan_p50_ms']} |")
     lines += ["", "Crossover (FAISS alone): a filter keeping f, nprobe / f lists against every list.", "",
               "| f | lists nprobe / f | share of the lists | nprobe / f p50 ms | every list p50 ms |",
               "|---:|---:|---:|---:|---:|"]

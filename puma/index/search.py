@@ -75,10 +75,10 @@ _GPU_LOCK = threading.Lock()  # copies to GPUs one at a time
 class Selection:
     """Rows a restricted search may return, as FAISS wants them: a bitmap over global ids."""
 
-    bits: np.ndarray  # (ceil(size/8),) uint8, little-endian bit order
+    bits: np.ndarray  # (ceil(size/8),) uint8, little-endian bit order (empty when ``rows`` is set)
     size: int  # global ids covered
     count: int = -1  # rows selected (-1: not counted); an IVF search looks further the fewer there are
-    rows: np.ndarray | None = None  # the selected rows, ascending, when few enough for a brute force
+    rows: np.ndarray | None = None  # the selected rows, ascending, when few enough to scan exactly
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ class ShardedIndex:
                                   "state of the index (select again)")
         if widen and chosen.rows is not None:  # few rows: an exact scan of their vectors
             return exact_topk(self.vectors_at(chosen.rows), chosen.rows, q, k, self.manifest.metric)
-        selector, nlist = backend.bitmap_selector(chosen.bits), self.manifest.nlist
+        selector, nlist = backend.bitmap_selector(self._bits(chosen)), self.manifest.nlist
         if nlist and widen and chosen.count >= 0:
             nprobe = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total)
         scores, rows = self._search_all(q, k, nprobe, selector)
@@ -292,10 +292,19 @@ class ShardedIndex:
     def select(self, allowed: np.ndarray) -> Selection:
         """A bool mask (N,) over rows as a restricted search's bitmap over FAISS global ids (N/8 bytes)."""
         rows_mask = self._check_allowed(allowed)
-        mask = self._id_mask(rows_mask)
+        size = self.ntotal if self._gapless else self.manifest.next_id
         count = int(np.count_nonzero(rows_mask))
-        rows = np.flatnonzero(rows_mask) if brute_force(count, self.dim) else None
-        return Selection(np.packbits(mask, bitorder="little"), len(mask), count, rows)
+        if brute_force(count, self.dim):  # scanned exactly: FAISS's bitmap is never needed
+            return Selection(np.zeros(0, np.uint8), size, count, np.flatnonzero(rows_mask))
+        return Selection(np.packbits(self._id_mask(rows_mask), bitorder="little"), size, count)
+
+    def _bits(self, chosen: Selection) -> np.ndarray:
+        """FAISS's bitmap of a selection (made from its rows when it was left out: a scan needs none)."""
+        if chosen.rows is None or len(chosen.bits):
+            return chosen.bits
+        rows_mask = np.zeros(self.ntotal, dtype=bool)
+        rows_mask[chosen.rows] = True
+        return np.packbits(self._id_mask(rows_mask), bitorder="little")
 
     def vectors_at(self, rows: np.ndarray) -> np.ndarray:
         """The stored embeddings of rows (n,), ascending, as (n, E) float32: from the held embedding
