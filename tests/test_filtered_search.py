@@ -1,7 +1,8 @@
 """Filtered search over an index (puma.index.filtered, ShardedIndex.filter_mask and search_ids): for
 random filters of every operator, the hits are a brute-force scan of the matching rows (same ids, same
-order) on Flat, and on IVF wherever the search scans every list; a broad filter on IVF keeps its
-recall and every answer holds k hits whenever k items match, after removals and a compaction."""
+order) on Flat, and on IVF wherever the search scans the selected rows exactly or every list; a broad
+filter on IVF keeps its recall and every answer holds k hits whenever k items match, after removals and
+a compaction."""
 
 from __future__ import annotations
 
