@@ -78,7 +78,7 @@ def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpo
     continue from it (Ray's own checkpoint lags storage by up to two there: puma/train/recovery.py).
     Every checkpoint folder is kept (checkpoints_to_keep >= epochs), so the audit reads the complete
     record from storage instead of depending on a watcher's timing."""
-    epochs = 4
+    epochs = 3  # killed after epochs 1 and 2: the third attempt trains the last
     config = tiny_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs,
                          train={"checkpoints_to_keep": epochs, "max_failures": 3})
     run_dir = tmp_path / "runs" / "run"
