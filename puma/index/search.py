@@ -296,7 +296,7 @@ class ShardedIndex:
         count = int(np.count_nonzero(rows_mask))
         if brute_force(count, self.dim):  # scanned exactly: FAISS's bitmap is never needed
             return Selection(np.zeros(0, np.uint8), size, count, np.flatnonzero(rows_mask))
-        return Selection(np.packbits(self._id_mask(rows_mask), bitorder="little"), size, count)
+        return Selection(self._bitmap(rows_mask), size, count)
 
     def _bits(self, chosen: Selection) -> np.ndarray:
         """FAISS's bitmap of a selection (made from its rows when it was left out: a scan needs none)."""
@@ -304,6 +304,10 @@ class ShardedIndex:
             return chosen.bits
         rows_mask = np.zeros(self.ntotal, dtype=bool)
         rows_mask[chosen.rows] = True
+        return self._bitmap(rows_mask)
+
+    def _bitmap(self, rows_mask: np.ndarray) -> np.ndarray:
+        """A bool mask over rows as FAISS's packed bitmap over global ids."""
         return np.packbits(self._id_mask(rows_mask), bitorder="little")
 
     def vectors_at(self, rows: np.ndarray) -> np.ndarray:
