@@ -12,15 +12,24 @@ files not yet), ``embed.block`` (a block of embeddings committed, the next not y
 
 ``PUMA_FAULT_DELAY=<name>:<seconds>`` makes ``await fault_delay(name)`` wait that long instead (a
 slow request for overload tests; point ``serve.search``: a search request, before it is answered).
+
+``PUMA_FAULT_HOLD=<name>:<path>`` makes ``fault_hold(name)`` wait while the file ``path`` exists (at most
+``HOLD_LIMIT_S``): a kill test holds the process at that moment, kills it there, and removes the file
+to let the moments it does not kill at pass. Point ``train.checkpoint``: rank 0 of a training run, its
+epoch's checkpoint complete on storage, best/ not yet published, the next epoch not yet started. The
+jobs hand every ``PUMA_FAULT_*`` variable of the driver to their Ray workers (puma/runtime.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 ENV = "PUMA_FAULT_AT"
 DELAY_ENV = "PUMA_FAULT_DELAY"
+HOLD_ENV = "PUMA_FAULT_HOLD"
+HOLD_LIMIT_S = 600.0
 _seen: dict[str, int] = {}
 
 
@@ -45,3 +54,14 @@ async def fault_delay(name: str) -> None:
     point, _, seconds = wanted.partition(":")
     if point == name:
         await asyncio.sleep(float(seconds or 0))
+
+
+def fault_hold(name: str) -> None:
+    """Wait while the file ``PUMA_FAULT_HOLD`` gives this point exists (if it names it)."""
+    wanted = os.environ.get(HOLD_ENV)
+    if not wanted:
+        return
+    point, _, path = wanted.partition(":")
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while point == name and os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)

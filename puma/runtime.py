@@ -39,6 +39,14 @@ class RayStartError(UserError):
     """Ray could not be started or joined (no cluster at RAY_ADDRESS, a port in use); says what to do."""
 
 
+def worker_env() -> dict[str, str]:
+    """What the job's Ray workers get in their environment: WORKER_ENV (unless the driver's environment
+    sets it) and the driver's fault-injection variables (puma/faults.py), which a `ray start` cluster's
+    workers would not inherit."""
+    env = {k: v for k, v in WORKER_ENV.items() if k not in os.environ}
+    return env | {k: v for k, v in os.environ.items() if k.startswith("PUMA_FAULT_")}
+
+
 def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
     """Join the cluster named by RAY_ADDRESS (as ``ray job submit`` sets it) or start a local one.
 
@@ -54,7 +62,7 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
     verbose = console.is_verbose() if verbose is None else verbose
     quiet_ray_logging(verbose)
     options = {"log_to_driver": True, "logging_level": logging.INFO if verbose else logging.ERROR,
-               "runtime_env": {"env_vars": {k: v for k, v in WORKER_ENV.items() if k not in os.environ}}}
+               "runtime_env": {"env_vars": worker_env()}}
     address = os.environ.get("RAY_ADDRESS")
     if joins_cluster():
         check_cluster_address(address)

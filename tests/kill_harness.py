@@ -6,8 +6,12 @@ Used by tests/test_train_job.py (the CI test) and bench/stress_recovery.py (the 
   (meta.json present and every file matching its sha256), with its epoch and attempt.
 - ``run_lineage`` starts ``jobs/train.py`` and, for each ``Kill``, waits for the next complete
   checkpoint, then SIGKILLs the driver or one Ray Train worker right away (``moment="checkpoint"``:
-  complete on storage, not yet registered by Ray: the worst moment) or part-way into the next
-  epoch (``moment="mid-epoch"``); a killed driver is started again with the same command.
+  complete on storage, maybe not yet registered by Ray, best/ not yet published) or part-way into the
+  next epoch (``moment="mid-epoch"``); a killed driver is started again with the same command. A
+  ``checkpoint`` kill lands there whatever the machine's load: rank 0 holds at that moment
+  (``PUMA_FAULT_HOLD``, puma/faults.py) until the harness has killed, and the hold is lifted for the
+  checkpoints no kill waits on (a tiny epoch takes a fraction of a second: without the hold a loaded
+  machine's kill landed after the next epoch, or after the run, had ended).
 - ``audit`` lists everything the run got wrong (an empty list is a pass): an epoch written again at
   or below the newest complete one, attempts that did not continue from the newest complete
   checkpoint, history, counters, retention, and whether best/ holds the run's best model.
@@ -19,6 +23,7 @@ starts its own local Ray; killing the driver kills its whole process group, Ray 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -202,10 +207,14 @@ def run_lineage(launcher: Launcher, config: Path, run_dir: Path, kills: list[Kil
     """Run training, applying ``kills`` in order, then let the last driver finish."""
     rng = rng or random.Random(0)
     start, lineage = time.monotonic(), Lineage()
+    gate = Path(log_dir) / "hold-at-checkpoint"
+    hold_env = {"PUMA_FAULT_HOLD": f"train.checkpoint:{gate}"}
+    launcher = dataclasses.replace(launcher, env=dict(launcher.env, **hold_env))
+    _hold(gate, bool(kills) and kills[0].moment == "checkpoint")
     watcher = Watcher(run_dir).start()
     driver = _start(launcher, config, run_dir, log_dir, lineage)
     try:
-        for kill in kills:
+        for n, kill in enumerate(kills):
             event = watcher.wait_for_new(len(watcher.events), driver, timeout)
             while event is None:  # the driver exited before the checkpoint the kill waits for
                 driver = _restart_failed_start(launcher, config, run_dir, log_dir, lineage, driver)
@@ -218,18 +227,28 @@ def run_lineage(launcher: Launcher, config: Path, run_dir: Path, kills: list[Kil
             lineage.kills.append({"target": kill.target, "moment": kill.moment, "after_epoch": event.epoch,
                                   "at_s": round(time.monotonic() - start, 1), "delay_s": round(delay, 3),
                                   "newest_complete": max(e.epoch for e in watcher.events)})
+            _hold(gate, n + 1 < len(kills) and kills[n + 1].moment == "checkpoint")
             if kill.target == "driver":
                 driver = _start(launcher, config, run_dir, log_dir, lineage)
         while driver.wait(timeout=timeout) != 0:
             driver = _restart_failed_start(launcher, config, run_dir, log_dir, lineage, driver)
         lineage.returncode = 0
     finally:
+        _hold(gate, False)
         if driver.poll() is None:
             launcher.kill_driver(driver)
         watcher.stop()
         lineage.events, lineage.seconds = watcher.events, time.monotonic() - start
         lineage.timeline = [(e.epoch, e.attempt, round(e.time - start, 1)) for e in watcher.events]
     return lineage
+
+
+def _hold(gate: Path, on: bool) -> None:
+    """Rank 0 of the run holds at each complete checkpoint while ``gate`` exists (puma/faults.py)."""
+    if on:
+        gate.touch()
+    else:
+        gate.unlink(missing_ok=True)
 
 
 def _start(launcher: Launcher, config: Path, run_dir: Path, log_dir: Path,

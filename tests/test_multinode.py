@@ -176,11 +176,14 @@ def train_config(path: Path, cluster: TwoNodes, data: str, run: str, epochs: int
     return path
 
 
-def start_driver(cluster: TwoNodes, config: Path, log: Path) -> subprocess.Popen:
+def start_driver(cluster: TwoNodes, config: Path, log: Path, hold: Path | None = None) -> subprocess.Popen:
     """``python jobs/train.py --config FILE`` joining the cluster (RAY_ADDRESS), output to ``log``;
-    every progress event of the workers becomes a line (PUMA_PROGRESS_EVERY_S=0)."""
+    every progress event of the workers becomes a line (PUMA_PROGRESS_EVERY_S=0). With ``hold``, rank 0
+    holds at each complete checkpoint while that file exists (PUMA_FAULT_HOLD, puma/faults.py)."""
     env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1",
                PUMA_PROGRESS_EVERY_S="0")
+    if hold is not None:
+        env["PUMA_FAULT_HOLD"] = f"train.checkpoint:{hold}"
     with open(log, "w") as out:
         return subprocess.Popen([PYTHON, "jobs/train.py", "--config", str(config)], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -274,10 +277,10 @@ def test_training_across_nodes_equals_one_node_and_survives_a_lost_node(cluster,
 
     - one node: both workers pinned to the head (worker_resources node_a);
     - across nodes: STRICT_SPREAD, one worker per node, gloo between them; the moment epoch 1's
-      checkpoint is complete on S3 (the worst moment: Ray may not have registered it yet, and the
-      workers are starting epoch 2) the second node is SIGKILLed (raylet and worker) and a
-      replacement joins. (A kill on the workers' progress report part-way into epoch 2 came after
-      the epoch had ended whenever the machine was idle: 18 steps can take under a second.)
+      checkpoint is complete on S3 (Ray may not have registered it yet, best/ is not yet published)
+      the second node is SIGKILLed (raylet and worker) and a replacement joins. Rank 0 holds at that
+      moment until the kill (PUMA_FAULT_HOLD): epoch 2 takes under a second, and without the hold a
+      loaded machine's kill could land after it had ended.
 
     Epoch 1 of the two runs must be equal (history and weights): only the placement differed. The
     cross-node run must then finish with Ray Train's restarted worker group continuing after epoch 1:
@@ -292,10 +295,13 @@ def test_training_across_nodes_equals_one_node_and_survives_a_lost_node(cluster,
     spread = train_config(tmp_path / "spread.yaml", cluster, s3_data, "spread", epochs=epochs,
                           placement_strategy="STRICT_SPREAD", **common)
     cluster.ensure_node_b()
-    with killed_at_exit(start_driver(cluster, spread, log)) as driver:
+    hold = tmp_path / "hold-at-checkpoint"
+    hold.touch()
+    with killed_at_exit(start_driver(cluster, spread, log, hold)) as driver:
         done_at_kill = wait_for_checkpoint("spread", 1, driver, log, cluster)  # then at once:
         killed = kill_node(cluster.node_b)
         done_after_kill = complete_epochs("spread")
+        hold.unlink()
         cluster.restart_node_b()
         finish(driver, log)
 

@@ -367,3 +367,25 @@ def test_each_worker_group_gets_the_training_stream_at_the_epoch_it_resumes_from
     write(run_uri, 1)
     write(run_uri, 2)
     assert stream().context._execution_idx == 2  # a group started after epoch 2's checkpoint: epoch 3
+
+
+def test_a_fault_hold_waits_while_its_file_exists_and_reaches_the_jobs_ray_workers(tmp_path, monkeypatch):
+    """The kill tests' hold (puma/faults.py): ``fault_hold`` returns at once for another point or without
+    the file, waits while the file exists, and the driver hands PUMA_FAULT_* to its Ray workers."""
+    import threading
+
+    from puma.faults import fault_hold
+    from puma.runtime import worker_env
+
+    gate = tmp_path / "hold"
+    monkeypatch.setenv("PUMA_FAULT_HOLD", f"train.checkpoint:{gate}")
+    fault_hold("train.checkpoint")  # no file: no wait
+    gate.touch()
+    fault_hold("embed.block")  # another point: no wait
+    threading.Timer(0.5, gate.unlink).start()
+    started = time.monotonic()
+    fault_hold("train.checkpoint")
+    assert 0.4 < time.monotonic() - started < 5
+    assert worker_env()["PUMA_FAULT_HOLD"] == f"train.checkpoint:{gate}"
+    monkeypatch.delenv("PUMA_FAULT_HOLD")
+    assert not any(k.startswith("PUMA_FAULT_") for k in worker_env())

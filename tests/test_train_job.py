@@ -69,10 +69,11 @@ def _last_meta(run_dir: Path) -> dict:
 def test_killed_driver_and_lost_worker_continue_from_the_newest_complete_checkpoint(ray_head, tiny_data,
                                                                                    tmp_path):
     """On a `ray start --head` cluster that outlives the driver, at the worst moment: the driver is
-    SIGKILLed right after its first checkpoint is complete on storage (before Ray registers it), the
-    same command is run again, and one Ray Train worker of the re-run is SIGKILLed right after its
-    first checkpoint. Every epoch must be written exactly once, each attempt must continue after the
-    newest complete epoch, and best/ must hold the run's best model.
+    SIGKILLed right after its first checkpoint is complete on storage (maybe before Ray registers it,
+    before best/ is published: rank 0 holds there until the kill, kill_harness.py), the same command is
+    run again, and one Ray Train worker of the re-run is SIGKILLed right after its first checkpoint.
+    Every epoch must be written exactly once, each attempt must continue after the newest complete
+    epoch, and best/ must hold the run's best model (a kill before its publication is repaired).
 
     Deterministic: whenever the kills land, a complete checkpoint exists, so both restarts must
     continue from it (Ray's own checkpoint lags storage by up to two there: puma/train/recovery.py).

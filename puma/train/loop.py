@@ -32,6 +32,7 @@ from puma.data.device_views import batch_images, prefetched
 from puma.distributed import sum_over_ranks
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
+from puma.faults import fault_hold
 from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
@@ -341,6 +342,7 @@ def _report(cfg: Config, module, optimizer, scheduler, state: RunState, metrics:
         save_checkpoint(tmp, ckpt)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=name)
+    fault_hold("train.checkpoint")  # kill tests: complete on storage, best/ and the next epoch not yet
     if improved:
         best_uri = RunFolder(loop_config["run_uri"]).best
         publish_best(best_uri, ckpt, version_label(state.epoch, state.attempt))
