@@ -90,7 +90,7 @@ def test_every_dotted_config_key_the_pages_name_exists():
     keys = {key for key, *_ in describe_keys()}
     sections = {key.rsplit(".", n)[0] for key in keys for n in range(1, key.count(".") + 1)}
     source = "\n".join(path.read_text() for path in (REPO / "puma").rglob("*.py"))
-    fault_points = set(re.findall(r"fault_(?:point|delay)\(\"([\w.]+)\"\)", source))
+    fault_points = set(re.findall(r"fault_(?:point|delay|hold)\(\"([\w.]+)\"\)", source))
     unknown = {}
     for page in PAGES:
         for code in _code(page):
