@@ -35,6 +35,10 @@ Their rows against "service vector" (one partition, the index inside the ingress
 cost as a measured difference (p50 diff ms); "same hits" checks that the partitioned answers equal
 the single service's for 100 queries (an exact merge).
 
+    service vector (no metrics)          the one-partition service again with serve.metrics=false:
+                                         its queries/s over "service vector"'s is the metrics' cost
+                                         (issue 54: at most 5%)
+
 ratio = service queries/s / numpy queries/s (above 1: the service answers more per second).
 recall@10 = the service's IVF hits against the brute-force top 10. Bounded: --requests per row
 (over all rounds) and --max-seconds per round of a row. Results: bench/results/serve.{json,md}.
@@ -300,6 +304,23 @@ def deploy_partitioned(overrides: list[str], partitions: int, channels: list[str
     return rows
 
 
+def deploy_without_metrics(overrides: list[str], port: int, ingress: str) -> dict[str, tuple[int, str]]:
+    """The one-partition service again with serve.metrics=false (vector queries only), beside it: its
+    row against "service vector" is what the service's metrics cost. Direct ingress: the port given."""
+    from ray import serve
+
+    from puma.serve.app import build_app
+    from puma.serve.plan import plan_service
+
+    name = "no-metrics"
+    cfg = load_config(None, [*overrides, "serve.index_partitions=1", "serve.image_queries=false",
+                             "serve.metrics=false", f"serve.app_name={name}"])
+    serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
+    where = port, f"/{name}"
+    print(f"[bench] service vector (no metrics): at port {where[0]}{where[1]}", flush=True)
+    return {"service vector (no metrics)": where}
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -418,10 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         channels = [c for c in args.partition_channels.split(",") if c] if args.partitions > 1 else []
         # the service's ingress mode, with room for the no-op app's own ingress replica (port + 2: Serve's
         # head-node proxy has port + 1) and the partitioned apps' (port + 3, ...)
+        # and the no-metrics app's (after those)
         os.environ.update(direct_ingress_env(cfg.serve) | (
-            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 3 + len(channels))}
+            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 4 + len(channels))}
             if args.ingress == "direct" else {}))
-        init_ray(local_cpus=8 if channels else None)  # logical CPUs: room for every app's replicas
+        init_ray(local_cpus=8 if channels else 6)  # logical CPUs: room for every app's replicas
         service = start_service(cfg)
         plain, plain_port = start_plain_server(str(Path(tmp) / "index"), dim)
         try:
@@ -430,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
 
             ports = {"service": port, "fastapi": plain_port, "noop": deploy_noop(args.ingress, port)}
             ports |= deploy_partitioned(overrides, args.partitions, channels, port, args.ingress)
+            bare_port = port + 3 + len(channels) if args.ingress == "direct" else port
+            ports |= deploy_without_metrics(overrides, bare_port, args.ingress)
             live = LiveIndex(IndexConfig(uri=str(Path(tmp) / "index"), use_gpu=False, nprobe=16), None, dim)
             calls = variants(ports, x, queries, images, model, eval_view_spec(model_cfg), live)
             rows = measure(args, clients, calls)

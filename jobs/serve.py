@@ -64,6 +64,8 @@ def serve(plan: ServicePlan) -> int:
               f"{service.plan.model_id or '(none recorded)'}; new shards are picked up every "
               f"{s.watch_interval_s:g} s")
         print(f"[puma] {service.plan.partitions_reason}; ingress: {s.ingress}")
+        print(f"[puma] metrics for Prometheus: {service.metrics or '(this node exports none)'} "
+              "(Ray's, Ray Serve's and the service's: ray_puma_*)")
         print(f"[puma] bearer token: {'required' if service.plan.token_required else 'not required'} "
               f"(${s.token_env}); image queries: {'on' if s.image_queries else 'off'}; Ctrl-C stops it",
               flush=True)

@@ -622,6 +622,10 @@ class ServeConfig:
     runtime: str = "torch"  # the query model: torch | onnx (ONNX Runtime on CPU, parity-checked at load)
     token_env: str = "PUMA_SERVE_TOKEN"  # a non-empty value there requires `Authorization: Bearer <it>`
     access_log: bool = False  # one log line per request in the replicas' logs
+    metrics: bool = True  # the service's own metrics (puma/serve/metrics.py); false: none recorded
+    metrics_port: int = 0  # a local Ray's metrics port for Prometheus (Ray's, Serve's and the service's
+    # metrics: puma/serve/metrics.py; 0: a free one, printed at start); on a cluster each node's own
+    # (ray start --metrics-export-port)
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "serve.host must be an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")

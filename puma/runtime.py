@@ -47,13 +47,14 @@ def worker_env() -> dict[str, str]:
     return env | {k: v for k, v in os.environ.items() if k.startswith("PUMA_FAULT_")}
 
 
-def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
+def init_ray(local_cpus: int | None = None, verbose: bool | None = None, metrics_port: int = 0) -> str:
     """Join the cluster named by RAY_ADDRESS (as ``ray job submit`` sets it) or start a local one.
 
     A local Ray binds to 127.0.0.1 only and gets at least 4 logical CPUs, so Train workers with
     fractional CPUs can never starve Ray Data's read and decode tasks on a 2-core machine.
     ``verbose`` (default: the job's ``--verbose``) lets Ray's own output through to the console.
-    Returns a short description of where the driver is attached.
+    ``metrics_port``: a local Ray's metrics export port (0: a free one; a cluster's nodes set theirs with
+    ``ray start --metrics-export-port``). Returns a short description of where the driver is attached.
     """
     import ray
 
@@ -79,7 +80,7 @@ def init_ray(local_cpus: int | None = None, verbose: bool | None = None) -> str:
         check_temp_dir(temp_dir)
         try:
             ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                     **options)
+                     _metrics_export_port=metrics_port or None, **options)
         except RuntimeError as exc:
             raise _start_error(exc) from exc
         where = f"local Ray ({cpus} logical CPUs)"
@@ -246,3 +247,14 @@ def _session_logs() -> str:
         return os.path.join(node.get_session_dir_path(), "logs") if node is not None else ""
     except (AttributeError, ImportError):
         return ""
+
+
+def metrics_url() -> str:
+    """Where this node's Ray exports its metrics for Prometheus (Ray's, Serve's, ours: ray.util.metrics)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return ""

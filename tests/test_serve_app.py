@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -180,7 +181,66 @@ def item_id_of(service: dict, photo: Path) -> str:
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.budget(120)  # the module's first: the service's start-up is its set-up (50-56 s)
+def metrics_target(service: dict) -> str:
+    """host:port of the metrics jobs/serve.py printed it exports (Ray's metrics port of its node)."""
+    found = re.search(r"^\[puma\] metrics for Prometheus: http://([\d.]+:\d+)/metrics ",
+                      service["log"].read_text(), re.M)
+    assert found, service["log"].read_text()[-3000:]
+    return found.group(1)
+
+
+# the module's first (no request reached the service before it): the service's start-up is its set-up
+# (50-68 s), then the metrics reach Prometheus through Ray's export (every few seconds)
+@pytest.mark.budget(180)
+def test_prometheus_counts_every_request_by_route_kind_and_status(service, tmp_path):
+    """A real Prometheus scrapes the metrics port jobs/serve.py prints; known numbers of image, item and
+    vector queries and of refused ones (no token, a bad filter) are sent. Through Prometheus's HTTP API:
+    the request counters equal what was sent, by route, kind and status; the latency histogram holds each
+    kind's requests in its buckets (cumulative, ending at the count) and the exact time counter their
+    summed time; the live version's gauge is 1."""
+    from prometheus import Prometheus
+
+    sent = {"image": 3, "item_id": 4, "vector": 5}
+    ids, x, _ = stored(service["index"])
+    photo, started = photos(service)[1], time.monotonic()
+    for _ in range(sent["image"]):
+        assert call(service, "POST", "search?k=3", photo.read_bytes(), "image/jpeg")[0] == 200
+    for i in range(sent["item_id"]):
+        assert search_json(service, {"item_id": ids[i], "k": 3})[0] == 200
+    for i in range(sent["vector"]):
+        assert search_json(service, {"vector": x[i].tolist(), "k": 3})[0] == 200
+    for token in (None, "wrong-token"):
+        assert call(service, "POST", "search", b"{}", "application/json", token=token)[0] == 401
+    assert search_json(service, {"vector": x[0].tolist(), "filter": {"no_such_column": 1}})[0] == 422
+    spent = time.monotonic() - started
+    prometheus = Prometheus([metrics_target(service)], tmp_path / "prometheus")
+    try:
+        def total(selector: str) -> float | None:
+            return prometheus.value(f"sum(ray_puma_requests_total{{{selector}}})")
+
+        for kind, n in sent.items():
+            prometheus.wait_for(f'sum(ray_puma_requests_total{{route="/search",kind="{kind}",status="200"}})',
+                                lambda v, n=n: v == n)
+        prometheus.wait_for('sum(ray_puma_requests_total{route="/search",status="422"})', lambda v: v == 1)
+        assert total('route="/search",status="401"') == 2
+        assert total('route="/search"') == sum(sent.values()) + 3
+        timed = dict(sent, vector=sent["vector"] + 1)  # the bad filter is refused after its query was read
+        assert total('route="/search",kind="vector",status="422"') == 1
+        for kind, n in timed.items():
+            selector = f'route="/search",kind="{kind}"'
+            assert prometheus.value(f"sum(ray_puma_request_seconds_count{{{selector}}})") == n
+            buckets = {float(r["metric"]["le"]): float(r["value"][1]) for r in prometheus.query(
+                f"sum by (le) (ray_puma_request_seconds_bucket{{{selector}}})")}
+            counts = [buckets[le] for le in sorted(buckets)]
+            assert counts == sorted(counts) and counts[-1] == n and 0.001 in buckets, buckets
+            assert 0 < prometheus.value(f"sum(ray_puma_request_time_seconds_total{{{selector}}})") < spent
+        version = read_alias(service["index"]).live
+        assert prometheus.value(f'max(ray_puma_version_live{{version="{version}"}})') == 1
+    finally:
+        prometheus.stop()
+
+
+@pytest.mark.budget(120)  # the service's start-up is its set-up when run alone (50-68 s)
 def test_health_is_open_and_everything_else_needs_the_token(service):
     status, _, health = call(service, "GET", "healthz", token=None)
     version, model_id = read_alias(service["index"]).live, read_manifest(resolve(service["index"])).model_id

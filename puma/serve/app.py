@@ -66,6 +66,7 @@ from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
 from puma.serve.channel import ChannelError, ChannelServer, PartitionClient
 from puma.serve.errors import RequestError, as_request_error
 from puma.serve.live_index import ServedIndexes
+from puma.serve.metrics import ServiceMetrics
 from puma.serve.partitions import FanOut, Partition
 from puma.serve.plan import ServicePlan, plan_service
 from puma.serve.requests import Limits, SearchRequest, image_view, media_type, parse_request
@@ -110,9 +111,10 @@ def unavailable(exc: BaseException) -> RequestError | None:
              DeploymentUnavailableError)
     for candidate in (exc, getattr(exc, "cause", None), exc.__cause__):
         if isinstance(candidate, kinds):
+            cause = "backpressure" if isinstance(candidate, BackPressureError) else "replica_unavailable"
             return RequestError(503, "a replica this request needs is unavailable "
                                      f"({type(candidate).__name__}: restarting, or its node was lost); "
-                                     "retry after the Retry-After seconds")
+                                     "retry after the Retry-After seconds", cause)
     return None
 
 
@@ -406,7 +408,7 @@ class PartitionedIndex(FanOut):
                 call.cancel()
             raise RequestError(503, f"an index partition did not answer within {self.timeout_s:g} s "
                                     "(serve.partition_timeout_s: its node lost or its replica restarting); "
-                                    "retry after the Retry-After seconds") from None
+                                    "retry after the Retry-After seconds", "partition_timeout") from None
 
     async def _direct(self, client: PartitionClient, method: str, args: tuple):
         """One partition's answer over its channel; 503 when it cannot answer or not in time."""
@@ -415,11 +417,12 @@ class PartitionedIndex(FanOut):
         except asyncio.TimeoutError:
             raise RequestError(503, f"index partition {client.name} did not answer within "
                                     f"{self.timeout_s:g} s (serve.partition_timeout_s: its node lost or its "
-                                    "replica restarting); retry after the Retry-After seconds") from None
+                                    "replica restarting); retry after the Retry-After seconds",
+                               "partition_timeout") from None
         except ChannelError as exc:
             raise RequestError(503, f"index partition {client.name} is unavailable ({exc}: its replica "
-                                    "restarting, or its node lost); retry after the Retry-After seconds") \
-                from None
+                                    "restarting, or its node lost); retry after the Retry-After seconds",
+                               "replica_unavailable") from None
 
     def _clients(self) -> list[PartitionClient]:
         loop = asyncio.get_running_loop()
@@ -451,7 +454,7 @@ class SearchIngress:
 
     def __init__(self, partitions: list | None, local: dict, model, pinned: Pinned, limits: Limits,
                  token_env: str, location: str = "", storage_cfg=None, watch_interval_s: float = 10.0,
-                 timeout_s: float = 5.0, channel_token: str = "") -> None:
+                 timeout_s: float = 5.0, channel_token: str = "", metrics: bool = True) -> None:
         # partitions: the IndexPartition deployments' handles (channel_token: their direct channels'); none:
         # this replica holds the index (local: LocalIndex's arguments)
         self.index = (PartitionedIndex(partitions, timeout_s, channel_token) if partitions
@@ -460,6 +463,8 @@ class SearchIngress:
         self.token_env, self.token = token_env, os.environ.get(token_env, "")
         self.pinned, self.location = pinned, location
         self.page = resources.files("puma.serve").joinpath("page.html").read_text()
+        self.metrics = ServiceMetrics(enabled=metrics)
+        self.metrics.live(pinned.version, pinned.model_id)
         self._stop = threading.Event()
         if pinned.version:  # a location with versions: follow its alias
             use_storage(storage_cfg)
@@ -472,6 +477,7 @@ class SearchIngress:
                 alias = read_alias(self.location)
                 if alias is not None and alias.live != self.pinned.version:
                     self.pinned = self._prepare(alias.live)
+                    self.metrics.live(self.pinned.version, self.pinned.model_id)
                     log.info("answering with version %s (model %s)", self.pinned.version,
                              self.pinned.model_id)
             except Exception:  # noqa: BLE001 - keep answering with the pinned version; retry next tick
@@ -492,26 +498,34 @@ class SearchIngress:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        return await self._respond(self._health)
+        return await self._respond("/healthz", self._health)
 
     @api.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
-        return await self._respond(self._stats, request)
+        return await self._respond("/stats", self._stats, request)
 
     @api.post("/search")
     async def search(self, request: Request) -> JSONResponse:
-        return await self._respond(self._search, request)
+        return await self._respond("/search", self._search, request)
 
     @api.get("/image")
     async def image(self, request: Request) -> Response:
-        return await self._respond(self._image, request)
+        return await self._respond("/image", self._image, request)
 
     # ------------------------------------------------------------------------- the routes' work
 
-    async def _respond(self, work, *args) -> Response:
-        """Run a route; a RequestError (here or in a deployment) becomes its status and one-line JSON."""
+    async def _respond(self, route: str, work, request: Request | None = None) -> Response:
+        """Run a route; a RequestError (here or in a deployment) becomes its status and one-line JSON.
+        Every answer is counted and timed (puma/serve/metrics.py)."""
+        start = time.perf_counter()
+        response = await self._answer(work, request)
+        kind = getattr(request.state, "kind", "") if request is not None else ""
+        self.metrics.request(route, kind, response.status_code, time.perf_counter() - start)
+        return response
+
+    async def _answer(self, work, request: Request | None) -> Response:
         try:
-            result = await work(*args)
+            result = await (work() if request is None else work(request))
         except Exception as exc:  # noqa: BLE001 - every failure gets a JSON answer
             error = as_request_error(exc) or unavailable(exc)
             if error is None:
@@ -520,6 +534,7 @@ class SearchIngress:
             headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
             if error.status == 503:
                 headers = {"Retry-After": f"{math.ceil(self.limits.retry_after_s)}"}
+                self.metrics.refusal(error.cause)
             return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
         return result if isinstance(result, Response) else JSONResponse(result)
 
@@ -544,6 +559,7 @@ class SearchIngress:
         content_type = request.headers.get("content-type", "")
         body = await read_body(request, body_limit(content_type, self.limits.max_upload_bytes))
         query = parse_request(content_type, body, _params(request), self.limits)
+        request.state.kind = query.kind
         await fault_delay("serve.search")
         pinned = self.pinned  # one version answers the whole request
         hits = await self._hits(query, pinned)
@@ -612,7 +628,7 @@ def build_app(plan: ServicePlan) -> Application:
     local = {} if partitions else {**index_args, "index_cfg": dataclasses.replace(cfg.index, use_gpu=False)}
     return SearchIngress.options(**options["ingress"]).bind(
         partitions, local, model, pinned, Limits.from_config(s), s.token_env, cfg.index.uri,
-        storage.current_config(), s.watch_interval_s, s.partition_timeout_s, token)
+        storage.current_config(), s.watch_interval_s, s.partition_timeout_s, token, s.metrics)
 
 
 def deployment_options(cfg: Config, use_gpu: bool) -> dict[str, dict]:

@@ -10,13 +10,14 @@ class RequestError(UserError):
     """A request the service refuses: ``status`` (4xx, or 503 while the index is empty) and a one-line
     reason that names what was wrong and what is valid."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, cause: str = "") -> None:
         self.status = int(status)
         self.reason = " ".join(str(reason).split()) or f"HTTP {status}"
+        self.cause = cause  # a 503's cause for the metrics (puma/serve/metrics.py REFUSAL_CAUSES)
         super().__init__(self.reason)
 
     def __reduce__(self):
-        return RequestError, (self.status, self.reason)  # crosses process boundaries (Ray) intact
+        return RequestError, (self.status, self.reason, self.cause)  # crosses process boundaries (Ray) intact
 
     def to_dict(self) -> dict:
         """The JSON body of the error response."""

@@ -42,6 +42,7 @@ class RunningService:
 
     url: str  # http://host:port/ (the page; POST search, GET stats, healthz, image)
     plan: ServicePlan
+    metrics: str  # http://host:port/metrics of the driver's node: Ray's, Serve's and the service's metrics
     ray: str  # puma.runtime.init_ray's description
     local_ray: bool  # this driver started the Ray cluster (and stops it)
 
@@ -95,17 +96,17 @@ def start_service(cfg: Config, plan: ServicePlan | None = None) -> RunningServic
             check_port_free(s.host, port)
     from ray import serve
 
-    from puma.runtime import init_ray
+    from puma.runtime import init_ray, metrics_url
     from puma.serve.app import build_app
 
     if local:
         os.environ.update(direct_ingress_env(s))
-    where = init_ray()
+    where = init_ray(metrics_port=s.metrics_port)
     serve.start(http_options={"host": s.host, "port": proxy_port(s)})
     serve.run(build_app(plan), name=s.app_name, route_prefix="/",
               logging_config={"enable_access_log": s.access_log})
     host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
-    return RunningService(f"http://{host}:{s.port}/", plan, where, local)
+    return RunningService(f"http://{host}:{s.port}/", plan, metrics_url(), where, local)
 
 
 def direct_ingress_env(s: ServeConfig) -> dict[str, str]:
