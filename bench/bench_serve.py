@@ -321,6 +321,26 @@ def deploy_without_metrics(overrides: list[str], port: int, ingress: str) -> dic
     return {"service vector (no metrics)": where}
 
 
+def metrics_record_us(n: int = 20000) -> dict[str, float]:
+    """What recording one request's metrics costs in a Ray worker (the ingress records three: the
+    counter, the histogram, the exact time), on and off (serve.metrics=false), in microseconds."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def measure() -> dict[str, float]:
+        from puma.serve.metrics import ServiceMetrics
+
+        out = {}
+        for label, enabled in (("on", True), ("off", False)):
+            metrics, start = ServiceMetrics(enabled=enabled), time.perf_counter()
+            for _ in range(n):
+                metrics.request("/search", "vector", 200, 0.0025)
+            out[label] = round(1e6 * (time.perf_counter() - start) / n, 2)
+        return out
+
+    return ray.get(measure.remote())
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -362,6 +382,13 @@ def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float)
     lines += [f"| {r['variant']} | {r['clients']} | {r['requests']} | {r['qps']:.1f} | {r['p50_ms']:.1f} | "
               f"{r['p99_ms']:.1f} | {'' if r['app_p50_ms'] is None else format(r['app_p50_ms'], '.1f')} |"
               for r in rows]
+    if "metrics_record_us" in env:
+        cost = env["metrics_record_us"]
+        service = next((r for r in rows if r["variant"] == "service vector" and r["clients"] == 1), None)
+        share = f" ({100 * cost['on'] / 1000 / service['p50_ms']:.2f}% of the service's p50 at 1 client)" \
+            if service else ""
+        lines += ["", f"Recording one request's metrics in a Ray worker: {cost['on']:.1f} us on, "
+                      f"{cost['off']:.2f} us with serve.metrics=false{share}."]
     lines += ["", "| service query | against | clients | queries/s ratio | p50 ratio | p50 diff ms |",
               "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['query']} | {r['against']} | {r['clients']} | {r['qps_ratio']:.2f} | "
@@ -458,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             calls = variants(ports, x, queries, images, model, eval_view_spec(model_cfg), live)
             rows = measure(args, clients, calls)
             recall = recall_at_k(port, x, queries)
+            env["metrics_record_us"] = metrics_record_us()
             for name in ports:
                 if name.startswith("service vector ("):
                     env["same_hits"] = min(env.get("same_hits", 1.0), same_hits(port, ports[name], queries))
