@@ -13,7 +13,7 @@ class RequestError(UserError):
     def __init__(self, status: int, reason: str, cause: str = "") -> None:
         self.status = int(status)
         self.reason = " ".join(str(reason).split()) or f"HTTP {status}"
-        self.cause = cause  # a 503's cause for the metrics (puma/serve/metrics.py REFUSAL_CAUSES)
+        self.cause = cause  # a 503's cause for ray_puma_refused_total (puma/serve/metrics.py)
         super().__init__(self.reason)
 
     def __reduce__(self):

@@ -27,7 +27,6 @@ from __future__ import annotations
 # seconds; fine steps up to 20 ms (the service answers in about 2.5 ms), then coarser to 10 s
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
                      0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
-REFUSAL_CAUSES = ("backpressure", "partition_timeout", "replica_unavailable")
 
 
 class ServiceMetrics:
