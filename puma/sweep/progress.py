@@ -74,3 +74,43 @@ class SweepProgress(tune.Callback):
 
     def _note(self) -> str:
         return f"best {self.metric}={self.best:.4f}" if self.best is not None else ""
+
+
+class TrialMetrics(tune.Callback):
+    """Pushes the sweep's trials by state (started, finished, pruned by ASHA, failed) to the Pushgateway
+    whenever one starts or ends (puma/job_metrics.py; metrics.pushgateway set)."""
+
+    def __init__(self, cfg, sweep: str, epochs: int) -> None:
+        self.cfg, self.sweep, self.epochs = cfg, sweep, epochs  # cfg: a MetricsConfig
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        self._push(trials)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._push(trials, trial, "TERMINATED")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._push(trials, trial, "ERROR")
+
+    def on_experiment_end(self, trials, **info) -> None:
+        self._push(trials)
+
+    def _push(self, trials, ending=None, status: str = "") -> None:
+        from puma.job_metrics import push_sweep
+
+        push_sweep(self.cfg, self.sweep, trial_counts(trials, self.epochs, ending, status))
+
+
+def trial_counts(trials, epochs: int, ending=None, status: str = "") -> dict[str, int]:
+    """Trials started (not pending), finished (every epoch), pruned (stopped earlier) and failed;
+    ``ending`` counts as ``status`` (Tune calls back before it sets the trial's status)."""
+    counts = dict.fromkeys(("started", "finished", "pruned", "failed"), 0)
+    for trial in trials:
+        state = status if trial is ending else trial.status
+        counts["started"] += state != "PENDING"
+        if state == "ERROR":
+            counts["failed"] += 1
+        elif state == "TERMINATED":
+            done = (trial.last_result or {}).get("epoch") == epochs
+            counts["finished" if done else "pruned"] += 1
+    return counts

@@ -96,7 +96,7 @@ def run_sweep(plan: SweepPlan, callbacks: list | None = None):
     """Run (or resume) the sweep to the end and write its results; returns a SweepOutcome."""
     from puma.data.prepare import ensure_prepared
     from puma.sweep.placement import ReleaseStoppedTrainGroups
-    from puma.sweep.progress import TAG, SweepProgress
+    from puma.sweep.progress import TAG, SweepProgress, TrialMetrics
     from puma.sweep.report import write_results
 
     storage.configure(plan.resolved.storage)
@@ -108,7 +108,9 @@ def run_sweep(plan: SweepPlan, callbacks: list | None = None):
     sweep = plan.resolved.sweep
     progress = SweepProgress(sweep.metric, sweep.mode, plan.resolved.train.epochs)
     release = ReleaseStoppedTrainGroups.for_config(plan.resolved)
-    grid = open_tuner(plan, [*(callbacks or []), progress, release]).fit()
+    pushed = [TrialMetrics(plan.resolved.metrics, sweep.name, plan.resolved.train.epochs)
+              ] if plan.resolved.metrics.pushgateway else []
+    grid = open_tuner(plan, [*(callbacks or []), progress, release, *pushed]).fit()
     return write_results(plan, grid)
 
 

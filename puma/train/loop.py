@@ -33,6 +33,7 @@ from puma.distributed import sum_over_ranks
 from puma.eval.embed import embed_batches
 from puma.eval.metrics import evaluate_embeddings
 from puma.faults import fault_hold
+from puma.job_metrics import push_train
 from puma.methods import TrainModule, build_method_training, build_model
 from puma.models.trainable import trainable_parameter_groups, trainable_state_dict
 from puma.optim import build_optimizer, build_scheduler, end_warmup_epoch, set_step_lr
@@ -250,7 +251,8 @@ def _train_epoch(cfg: Config, module, optimizer, scheduler, scaler, device, epoc
     elapsed = time.perf_counter() - start
     return {**{f"train/{k}": float(np.mean(v)) for k, v in parts.items()},
             "train/loss": float(np.mean(losses)) if losses else float("nan"),
-            "train/samples_per_s": seen / elapsed if elapsed > 0 else 0.0, "train/steps": len(losses)}
+            "train/samples_per_s": seen / elapsed if elapsed > 0 else 0.0, "train/steps": len(losses),
+            "train/step_seconds": elapsed / len(losses) if losses else 0.0}
 
 
 def _model_inputs(cfg: Config, batches, device):
@@ -338,6 +340,7 @@ def _report(cfg: Config, module, optimizer, scheduler, state: RunState, metrics:
               "backbone_weights": cfg.model.backbone.weights,
               "probe": probe_embeddings(inner.model, cfg.model.backbone.img_size)})
     _write_tensorboard(loop_config, metrics, state.epoch)
+    push_train(cfg.metrics, cfg.train.run_name, metrics)  # metrics.pushgateway, when set
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(tmp, ckpt)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
