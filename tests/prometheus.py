@@ -54,6 +54,13 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]["result"]
 
+    def names(self) -> set[str]:
+        """Every metric name the server has scraped."""
+        with urllib.request.urlopen(f"{self.url}/api/v1/label/__name__/values", timeout=10) as response:
+            body = json.loads(response.read())
+        assert body["status"] == "success", body
+        return set(body["data"])
+
     def value(self, promql: str) -> float | None:
         """The query's one number (None while it has no series; a sum over none is no series)."""
         result = self.query(promql)

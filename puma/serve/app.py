@@ -66,7 +66,7 @@ from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
 from puma.serve.channel import ChannelError, ChannelServer, PartitionClient
 from puma.serve.errors import RequestError, as_request_error
 from puma.serve.live_index import ServedIndexes
-from puma.serve.metrics import ServiceMetrics
+from puma.serve.metrics import IndexMetrics, ModelMetrics, ServiceMetrics
 from puma.serve.partitions import FanOut, Partition
 from puma.serve.plan import ServicePlan, plan_service
 from puma.serve.requests import Limits, SearchRequest, image_view, media_type, parse_request
@@ -150,7 +150,7 @@ class QueryModel:
 
     def __init__(self, checkpoint: str, backbone_weights: str, storage_cfg, use_gpu: bool, threads: int,
                  max_batch_size: int, batch_wait_timeout_s: float, min_image_size: int = 0,
-                 runtime: str = "torch") -> None:
+                 runtime: str = "torch", metrics: bool = True) -> None:
         self.options = (backbone_weights, storage_cfg, use_gpu, threads, runtime)
         self.min_image_size = min_image_size
         self.embedders: dict[str, Embedder] = {}
@@ -160,6 +160,7 @@ class QueryModel:
         self.embed.set_max_batch_size(max_batch_size)
         self.embed.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.batches, self.images, self.largest_batch = 0, 0, 0
+        self.metrics = ModelMetrics(enabled=metrics)
 
     def load(self, checkpoint: str) -> Embedder:
         """The checkpoint's model, loaded once (the oldest of more than MODELS_KEPT dropped)."""
@@ -192,6 +193,7 @@ class QueryModel:
                 out[i] = e
         self.batches, self.images = self.batches + 1, self.images + len(views)
         self.largest_batch = max(self.largest_batch, len(views))
+        self.metrics.batch(len(views))
         return out
 
     def stats(self) -> dict:
@@ -206,10 +208,12 @@ class Watched:
     every watch_interval_s: new shards and a new live version are loaded without a restart."""
 
     def __init__(self, index_cfg: IndexConfig, dim: int, storage_cfg, watch_interval_s: float,
-                 grace_s: float, partition: Partition = Partition()) -> None:
+                 grace_s: float, partition: Partition = Partition(), metrics: bool = True) -> None:
         use_storage(storage_cfg)
         self.served = ServedIndexes(index_cfg, dim, grace_s, partition)
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.metrics = IndexMetrics(partition.index, enabled=metrics)
+        self.metrics.served(self.served.figures())
         self._stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), name="watch", daemon=True)
         watcher.start()
@@ -218,6 +222,7 @@ class Watched:
         while not self._stop.wait(interval):
             try:
                 self.served.refresh()
+                self.metrics.served(self.served.figures())
             except Exception:  # noqa: BLE001 - a storage hiccup must not stop the watch; the next tick retries
                 log.exception("reading the index at %s failed; serving what is loaded", self.served.location)
 
@@ -291,8 +296,8 @@ class IndexPartition:
 
     def __init__(self, index_cfg: IndexConfig, dim: int, storage_cfg, watch_interval_s: float,
                  grace_s: float, partition: Partition, channel_token: str = "",
-                 channel_threads: int = 2) -> None:
-        self.index = Watched(index_cfg, dim, storage_cfg, watch_interval_s, grace_s, partition)
+                 channel_threads: int = 2, metrics: bool = True) -> None:
+        self.index = Watched(index_cfg, dim, storage_cfg, watch_interval_s, grace_s, partition, metrics)
         self.channel = None
         if channel_token:
             self.channel = ChannelServer({"search_part": self._search_part_sent, "vector_of": self.vector_of},
@@ -465,6 +470,7 @@ class SearchIngress:
         self.page = resources.files("puma.serve").joinpath("page.html").read_text()
         self.metrics = ServiceMetrics(enabled=metrics)
         self.metrics.live(pinned.version, pinned.model_id)
+        self.index.timer = self.metrics.stage  # the partitions' merge time
         self._stop = threading.Event()
         if pinned.version:  # a location with versions: follow its alias
             use_storage(storage_cfg)
@@ -563,22 +569,32 @@ class SearchIngress:
         await fault_delay("serve.search")
         pinned = self.pinned  # one version answers the whole request
         hits = await self._hits(query, pinned)
+        if query.where is not None:  # counted once answered: a refused filter's columns are not the table's
+            self.metrics.filtered(query.where.columns())
         return {"query": query.describe(), "hits": hits, "model_id": pinned.model_id,
                 "version": pinned.version, "took_ms": round(1000 * (time.perf_counter() - start), 2)}
 
     async def _hits(self, query: SearchRequest, pinned: Pinned) -> list[dict]:
         if query.kind == "item_id":
-            return await self.index.search_item(query.item_id, query.k, query.datasets, query.catalogues,
+            start = time.perf_counter()
+            hits = await self.index.search_item(query.item_id, query.k, query.datasets, query.catalogues,
                                                 query.include_self, query.where, pinned.version)
+            self.metrics.stage("index", time.perf_counter() - start)
+            return hits
         vector = query.vector
         if query.kind == "image":
             if self.model is None:
                 raise RequestError(400, "image queries are off on this service (serve.image_queries=false); "
                                         "send an item_id or a vector")
             view = await asyncio.to_thread(image_view, query.image, pinned.view, self.limits.max_image_pixels)
+            start = time.perf_counter()
             vector = await self.model.embed.remote(view, pinned.checkpoint)
-        return await self.index.search_vector(vector, query.k, query.datasets, query.catalogues,
+            self.metrics.stage("model", time.perf_counter() - start)
+        start = time.perf_counter()
+        hits = await self.index.search_vector(vector, query.k, query.datasets, query.catalogues,
                                               query.where, pinned.version)
+        self.metrics.stage("index", time.perf_counter() - start)
+        return hits
 
     async def _image(self, request: Request) -> Response:
         self._authorise(request)
@@ -609,7 +625,7 @@ def build_app(plan: ServicePlan) -> Application:
     options = deployment_options(cfg, use_gpu)
     index_cfg = dataclasses.replace(cfg.index, use_gpu=cfg.index.use_gpu and use_gpu)
     index_args = {"index_cfg": index_cfg, "dim": plan.manifest.dim, "storage_cfg": storage.current_config(),
-                  "watch_interval_s": s.watch_interval_s, "grace_s": s.version_grace_s}
+                  "watch_interval_s": s.watch_interval_s, "grace_s": s.version_grace_s, "metrics": s.metrics}
     partitions = None
     # the partitions' direct channels admit the holders of this app's token (a new one per build)
     token = secrets.token_urlsafe(24) if plan.partitions > 1 and s.partition_channel == "direct" else ""
@@ -623,7 +639,7 @@ def build_app(plan: ServicePlan) -> Application:
         model = QueryModel.options(**options["model"]).bind(
             plan.checkpoint, cfg.embed.backbone_weights, storage.current_config(), use_gpu,
             max(1, int(s.model_num_cpus)), s.max_batch_size, s.batch_wait_timeout_s, cfg.data.min_image_size,
-            s.runtime)
+            s.runtime, s.metrics)
     pinned = Pinned(plan.version, plan.model_id, plan.checkpoint, plan.view)
     local = {} if partitions else {**index_args, "index_cfg": dataclasses.replace(cfg.index, use_gpu=False)}
     return SearchIngress.options(**options["ingress"]).bind(

@@ -403,6 +403,12 @@ class ServedIndexes:
     def loaded(self) -> list[str]:
         return sorted(self._loaded)
 
+    def figures(self) -> dict[str, tuple[int, int, int, str]]:
+        """Each loaded version's items, shards, removed rows and manifest ``updated`` (for metrics)."""
+        with self._lock:
+            return {version: (live.state.items, len(live.state.manifest.shards), live.state.manifest.removed,
+                              live.state.manifest.updated) for version, live in self._loaded.items()}
+
 
 def _version(manifest: Manifest) -> tuple:
     """What identifies a committed manifest: its trained index, model, shards with their removals."""

@@ -16,7 +16,19 @@ Exported as (type; tags):
 - ``ray_puma_refused_total`` (counter; cause): the ingress's 503s: backpressure (a deployment's queue
   full), partition_timeout, replica_unavailable;
 - ``ray_puma_version_live`` (gauge; version, model_id): 1 for the version the replica answers with;
-- ``ray_puma_version_switches_total`` (counter): versions the replica went live with after its first.
+- ``ray_puma_version_switches_total`` (counter): versions the replica went live with after its first;
+- ``ray_puma_stage_seconds`` (histogram; stage): a query's model forward (``model``: the embed call,
+  its batch wait included), its index search (``index``: with partitions, the fan-out and merge) and,
+  with partitions, the merge of their top-k (``merge``);
+- ``ray_puma_filter_columns_total`` (counter; column): filtered queries, once per column the filter names;
+- ``ray_puma_model_batch_size`` (histogram): the model deployment's batches (QueryModel replicas);
+- ``ray_puma_index_items``, ``ray_puma_index_shards``, ``ray_puma_index_removed_rows`` (gauges; version,
+  partition): what each index replica serves of each version it holds loaded (0 once dropped);
+- ``ray_puma_index_refreshed_timestamp_seconds`` (gauge; partition): the replica's last successful
+  look at storage (a watch tick that read the manifest, changed or not);
+- ``ray_puma_manifest_written_timestamp_seconds`` (gauge; version, partition): when the manifest the
+  replica serves was written, i.e. the served index's last change (a run that changes nothing writes
+  a record, but the replica keeps serving what it loaded).
 
 Ray Serve's own metrics cover what happens before a request reaches the ingress, e.g. the 503s of a
 full queue (``ray_serve_num_http_error_requests_total``, ``ray_serve_deployment_queued_queries``).
@@ -24,9 +36,14 @@ full queue (``ray_serve_num_http_error_requests_total``, ``ray_serve_deployment_
 
 from __future__ import annotations
 
+import calendar
+import time
+
 # seconds; fine steps up to 20 ms (the service answers in about 2.5 ms), then coarser to 10 s
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
                      0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+REFUSAL_CAUSES = ("backpressure", "partition_timeout", "replica_unavailable")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # serve.max_batch_size <= 4096
 
 
 class ServiceMetrics:
@@ -52,6 +69,15 @@ class ServiceMetrics:
                                      tag_keys=("version", "model_id"))
         self.switches = metrics.Counter("puma_version_switches",
                                         "Versions this replica went live with after its first")
+        # exported at 0 from the start (Prometheus's advice: a rate needs the series before the first event)
+        for cause in REFUSAL_CAUSES:
+            self.refused._record(0, tags={"cause": cause})  # Counter.inc refuses 0
+        self.switches._record(0)
+        self.stages = metrics.Histogram("puma_stage_seconds",
+                                        "A query's model, index and merge time (seconds)",
+                                        boundaries=list(LATENCY_BUCKETS_S), tag_keys=("stage",))
+        self.filters = metrics.Counter("puma_filter_columns", "Filtered queries, once per column named",
+                                       tag_keys=("column",))
 
     def request(self, route: str, kind: str, status: int, seconds: float) -> None:
         if not self.enabled:
@@ -60,6 +86,15 @@ class ServiceMetrics:
         self.requests.inc(1, tags={**tags, "status": str(status)})
         self.latency.observe(seconds, tags=tags)
         self.seconds.inc(seconds, tags=tags)
+
+    def stage(self, stage: str, seconds: float) -> None:
+        if self.enabled:
+            self.stages.observe(seconds, tags={"stage": stage})
+
+    def filtered(self, columns) -> None:
+        if self.enabled:
+            for column in columns:
+                self.filters.inc(1, tags={"column": column})
 
     def refusal(self, cause: str) -> None:
         if not self.enabled:
@@ -75,3 +110,69 @@ class ServiceMetrics:
             self.switches.inc(1)
         self.version.set(1, tags={"version": version, "model_id": model_id})
         self._live = (version, model_id)
+
+
+class ModelMetrics:
+    """A QueryModel replica's batch sizes."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        if enabled:
+            from ray.serve import metrics
+
+            self.sizes = metrics.Histogram("puma_model_batch_size",
+                                           "Images per batch of the model deployment",
+                                           boundaries=list(BATCH_BUCKETS))
+
+    def batch(self, size: int) -> None:
+        if self.enabled:
+            self.sizes.observe(size)
+
+
+class IndexMetrics:
+    """What an index replica serves (the ingress's LocalIndex, or one IndexPartition replica)."""
+
+    def __init__(self, partition: int, enabled: bool = True) -> None:
+        self.enabled, self.partition = enabled, str(partition)
+        self._versions: set[str] = set()
+        if not enabled:
+            return
+        from ray.serve import metrics
+
+        keys = ("version", "partition")
+        self.items = metrics.Gauge("puma_index_items", "Items served, by version", tag_keys=keys)
+        self.shards = metrics.Gauge("puma_index_shards", "Shards served, by version", tag_keys=keys)
+        self.removed = metrics.Gauge("puma_index_removed_rows", "Removed rows not yet compacted, by version",
+                                     tag_keys=keys)
+        self.written = metrics.Gauge("puma_manifest_written_timestamp_seconds",
+                                     "When the served manifest was written (unix seconds)", tag_keys=keys)
+        self.refreshed = metrics.Gauge("puma_index_refreshed_timestamp_seconds",
+                                       "The replica's last successful look at storage (unix seconds)",
+                                       tag_keys=("partition",))
+
+    def served(self, versions: dict[str, tuple[int, int, int, str]]) -> None:
+        """``versions``: each loaded version's (items, shards, removed rows, manifest's ``updated``);
+        a version recorded before and not loaded now is set to 0. Marks a successful refresh."""
+        if not self.enabled:
+            return
+        for version in self._versions - set(versions):
+            self._set(version, 0, 0, 0, 0.0)
+        for version, (items, shards, removed, updated) in versions.items():
+            self._set(version, items, shards, removed, unix_time(updated))
+        self._versions = set(versions)
+        self.refreshed.set(time.time(), tags={"partition": self.partition})
+
+    def _set(self, version: str, items: int, shards: int, removed: int, written: float) -> None:
+        tags = {"version": version, "partition": self.partition}
+        self.items.set(items, tags=tags)
+        self.shards.set(shards, tags=tags)
+        self.removed.set(removed, tags=tags)
+        self.written.set(written, tags=tags)
+
+
+def unix_time(stamp: str) -> float:
+    """A manifest's ``updated`` (``2026-12-06T18:35:11Z``) as unix seconds; 0 when unset or unreadable."""
+    try:
+        return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+    except (TypeError, ValueError):
+        return 0.0

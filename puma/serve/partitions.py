@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -158,7 +159,10 @@ def merged_filterable(parts: list[dict], max_values: int = 50) -> dict:
 class FanOut:
     """Queries answered by every partition and merged: ``_all(method, *args)`` calls ``method`` of
     each partition (IndexPartition's methods: search_part, vector_of, thumbnail, stats, health)
-    with the request's version last, and returns their answers in partition order."""
+    with the request's version last, and returns their answers in partition order. ``timer(stage,
+    seconds)``, when set, is told each merge's time (the service's metrics)."""
+
+    timer = None
 
     async def _all(self, method: str, *args) -> list:
         raise NotImplementedError
@@ -166,7 +170,7 @@ class FanOut:
     async def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
                             where: Filter | None, version: str) -> list[dict]:
         answers = await self._all("search_part", vector, k, datasets, catalogues, _wire(where), version)
-        return merged_answer(answers, k)
+        return self._merged(answers, k)
 
     async def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
                           include_self: bool, where: Filter | None, version: str) -> list[dict]:
@@ -177,7 +181,14 @@ class FanOut:
             raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index")
         answers = await self._all("search_part", vector, k + (0 if include_self else 1), datasets,
                                   catalogues, _wire(where), version)
-        return merged_answer(answers, k, "" if include_self else item_id)
+        return self._merged(answers, k, "" if include_self else item_id)
+
+    def _merged(self, answers: list, k: int, leave_out: str = "") -> list[dict]:
+        start = time.perf_counter()
+        hits = merged_answer(answers, k, leave_out)
+        if self.timer is not None:
+            self.timer("merge", time.perf_counter() - start)
+        return hits
 
     async def thumbnail(self, item_id: str, version: str) -> bytes:
         data = next((d for d in await self._all("thumbnail", item_id, version) if d is not None), None)
