@@ -7,9 +7,11 @@ and our deployment policy would reject, without a cluster.
 Each overlay is rendered with the real Kustomize (``kubectl kustomize``); RayJobs embedded in
 ConfigMaps (the CronJob's template) are checked like rendered objects. Reported:
 
-- ray.io objects against the KubeRay 1.7 CRD schemas (../shared/kuberay-crds/v1.7.0), with
-  unknown fields rejected as by strict field validation and the CRDs' CEL rules evaluated;
-  plus the operator's own admission rules (a port of ray-operator's ValidateRayClusterSpec,
+- ray.io objects against the KubeRay 1.7 CRD schemas (../shared/kuberay-crds/v1.7.0), and
+  monitoring.coreos.com objects (PodMonitor, ServiceMonitor, PrometheusRule) against the
+  prometheus-operator 0.93 CRD schemas (../shared/prometheus-operator-crds), with unknown fields
+  rejected as by strict field validation and the CRDs' CEL rules evaluated;
+  plus the KubeRay operator's own admission rules (a port of ray-operator's ValidateRayClusterSpec,
   ValidateRayJobSpec, ValidateRayCronJobSpec and ValidateRayServiceSpec) and a RayService's
   serveConfigV2 being a Serve config whose applications name an import path;
 - built-in kinds that ``kubernetes-validate`` rejects (strict) for Kubernetes ``K8S_VERSION``;
@@ -19,8 +21,13 @@ ConfigMaps (the CronJob's template) are checked like rendered objects. Reported:
 - exposure: LoadBalancer / NodePort Services, Ingresses, non-ClusterIP Ray head or serve services,
   and NetworkPolicies that let anything outside the namespace reach the head's 8265, 10001 or 6379
   (only the KubeRay operator may reach 8265); a RayService's Serve port must be reachable from the
-  namespace its ``puma.io/clients-namespace`` annotation names and from nothing else outside;
-- dangling references (service accounts, ConfigMaps, Roles, RayClusters named by clusterSelector);
+  namespace its ``puma.io/clients-namespace`` annotation names and from nothing else outside; Ray's
+  metrics port 8080 is reachable from Prometheus (namespace ``PROMETHEUS_NAMESPACE``) on every Ray pod
+  a monitor scrapes, and from nothing else outside;
+- dangling references (service accounts, ConfigMaps, Roles, RayClusters named by clusterSelector), and
+  monitors that scrape nothing: each PodMonitor / ServiceMonitor selects at least one pod / Service
+  (those KubeRay creates included, and the Pushgateway installed out of band), each port it scrapes is
+  a named port of what it selects, and no Ray head is scraped through two Services;
 - scheduled runs never overlap (one writer per index): a CronJob has concurrencyPolicy Forbid and a
   startingDeadlineSeconds, one that creates RayJobs never retries its pod, and every scheduled
   RayJob (a RayCronJob's, or one a CronJob creates) stops before the schedule's next run.
@@ -50,8 +57,15 @@ import yaml
 INFRA = Path(__file__).resolve().parent
 ROOT = INFRA.parent
 CRD_DIR = Path(os.environ.get("PUMA_KUBERAY_CRDS", ROOT.parent / "shared" / "kuberay-crds" / "v1.7.0"))
+PROMETHEUS_CRD_DIR = Path(os.environ.get("PUMA_PROMETHEUS_CRDS",
+                                         ROOT.parent / "shared" / "prometheus-operator-crds"))  # v0.93.0
 K8S_VERSION = "1.33.0"
 RAY_GROUP = "ray.io"
+MONITORING_GROUP = "monitoring.coreos.com"
+CRD_SOURCES = {  # API group -> (its CRDs, the variable that points elsewhere)
+    RAY_GROUP: (CRD_DIR, "PUMA_KUBERAY_CRDS"),
+    MONITORING_GROUP: (PROMETHEUS_CRD_DIR, "PUMA_PROMETHEUS_CRDS"),
+}
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 4 MB of YAML
 IMAGE_APP_DIR = "/home/ray/app"  # where the images hold the repository (cluster/Dockerfile.*)
 HEAD_PORTS = (8265, 10001, 6379)
@@ -59,6 +73,9 @@ SERVE_PORT = 8000  # Serve's HTTP port unless serveConfigV2 sets http_options.po
 CLIENTS_ANNOTATION = "puma.io/clients-namespace"  # on a RayService: the namespace of its clients
 OPERATOR_NAMESPACE = "kuberay-system"
 OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
+METRICS_PORT = 8080  # KubeRay starts every Ray node with --metrics-export-port=8080, container port "metrics"
+PROMETHEUS_NAMESPACE = "monitoring"  # kube-prometheus-stack's; infra/monitoring/networkpolicy.yaml names it
+PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}  # prometheus-operator labels its pods so
 
 
 class CheckError(RuntimeError):
@@ -77,7 +94,7 @@ def render(kustomization_dir: Path) -> list[dict]:
                           text=True, timeout=120)
     if proc.returncode != 0:
         raise CheckError(f"kubectl kustomize {kustomization_dir} failed: {proc.stderr.strip()}")
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    return [doc for doc in yaml.load_all(proc.stdout, Loader=SafeLoader) if doc]
 
 
 def embedded_objects(objs: list[dict]) -> list[dict]:
@@ -85,7 +102,7 @@ def embedded_objects(objs: list[dict]) -> list[dict]:
     found = []
     for cm in (o for o in objs if o.get("kind") == "ConfigMap"):
         for value in (cm.get("data") or {}).values():
-            doc = yaml.safe_load(value)
+            doc = yaml.load(value, Loader=SafeLoader)  # a Grafana dashboard's JSON too (JSON is YAML)
             if isinstance(doc, dict) and "apiVersion" in doc and "kind" in doc:
                 doc.setdefault("metadata", {}).setdefault("namespace", cm["metadata"].get("namespace"))
                 found.append(doc)
@@ -175,10 +192,11 @@ def strict_schema(node: dict) -> dict:
 
 
 @functools.cache
-def crd_validators(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], jsonschema.Validator]:
+def crd_validators(crd_dir: Path = CRD_DIR, variable: str = "PUMA_KUBERAY_CRDS"
+                   ) -> dict[tuple[str, str], jsonschema.Validator]:
     """(apiVersion, kind) -> validator for every served version of every CRD in ``crd_dir``."""
     if not crd_dir.is_dir():
-        raise CheckError(f"KubeRay CRDs not found at {crd_dir}; set PUMA_KUBERAY_CRDS")
+        raise CheckError(f"CRDs not found at {crd_dir}; set {variable} to their folder")
     validators = {}
     for path in sorted(crd_dir.glob("*.yaml")):
         crd = yaml.load(path.read_text(), Loader=SafeLoader)
@@ -191,10 +209,12 @@ def crd_validators(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], jsonschema.
 
 
 def schema_errors(obj: dict) -> list[str]:
-    """Why an API server would reject ``obj`` (CRD schema for ray.io, kubernetes-validate otherwise)."""
+    """Why an API server would reject ``obj`` (CRD schemas for ray.io and monitoring.coreos.com,
+    kubernetes-validate otherwise)."""
     where = describe(obj)
-    if obj.get("apiVersion", "").startswith(RAY_GROUP + "/"):
-        validator = crd_validators().get((obj["apiVersion"], obj["kind"]))
+    group = obj.get("apiVersion", "").partition("/")[0]
+    if group in CRD_SOURCES:
+        validator = crd_validators(*CRD_SOURCES[group]).get((obj["apiVersion"], obj["kind"]))
         if validator is None:
             return [f"{where}: no CRD serves {obj['apiVersion']} {obj['kind']}"]
         errors = [f"{where}: {'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
@@ -676,7 +696,7 @@ def exposure_errors(objs: list[dict]) -> list[str]:
         if kind == "RayService" and (obj["spec"].get("serveService") or {}).get("spec", {}).get(
                 "type", "ClusterIP") != "ClusterIP":
             errors.append(f"{where}: serveService.spec.type must be ClusterIP (clients are in the cluster)")
-    return errors + network_policy_errors(objs) + serve_exposure_errors(objs)
+    return errors + network_policy_errors(objs) + serve_exposure_errors(objs) + metrics_exposure_errors(objs)
 
 
 def ray_cluster_specs(obj: dict) -> Iterator[tuple[str, dict]]:
@@ -765,10 +785,14 @@ def _peer_admits(peer: dict, namespace: str, source: Source) -> bool:
     return selector_matches(peer.get("podSelector", {}), dict(source.pod_labels))
 
 
+PROMETHEUS = Source(PROMETHEUS_NAMESPACE, tuple(PROMETHEUS_LABELS.items()))
 OUTSIDE_SOURCES = {
     "a pod in another namespace": Source("default", (("app", "client"),)),
     "an address outside the cluster": Source(None),
     "a pod in the operator namespace that is not the operator": Source(OPERATOR_NAMESPACE, (("app", "x"),)),
+    "Prometheus": PROMETHEUS,  # may reach METRICS_PORT and nothing else (metrics_exposure_errors)
+    "a pod in the Prometheus namespace that is not Prometheus": Source(PROMETHEUS_NAMESPACE, (("app", "x"),)),
+    "a pod labelled like Prometheus in another namespace": Source("default", PROMETHEUS.pod_labels),
 }
 
 
@@ -802,16 +826,52 @@ def clients_namespaces(objs: list[dict], ns: str | None) -> list[str]:
                    if o.get("kind") == "RayService" and o["metadata"].get("namespace") == ns} - {None})
 
 
+# KubeRay's labels on every Ray pod besides node type, group and cluster; a template's labels override them
+KUBERAY_POD_LABELS = {"ray.io/is-ray-node": "yes", "app.kubernetes.io/name": "kuberay",
+                      "app.kubernetes.io/created-by": "kuberay-operator"}
+
+
 def group_labels(cluster: dict) -> list[tuple[str, dict]]:
-    """(group, labels of its pods) for the head and each worker group: template labels plus KubeRay's."""
-    head = cluster.get("headGroupSpec", {})
-    out = [("head", {**head.get("template", {}).get("metadata", {}).get("labels", {}),
-                     "ray.io/node-type": "head", "ray.io/cluster": "any"})]
+    """(group, labels of its pods) for the head and each worker group: template labels plus KubeRay's
+    (ray-operator's labelPod; node type, group and cluster are KubeRay's whatever the template says)."""
+    return [(group, labels) for group, labels, _ in ray_pods(cluster)]
+
+
+def ray_pods(cluster: dict) -> list[tuple[str, dict, dict]]:
+    """(group, pod labels, pod spec) for the head and each worker group of a RayClusterSpec."""
+    head = cluster.get("headGroupSpec", {}).get("template", {})
+    out = [("head", {**KUBERAY_POD_LABELS, **head.get("metadata", {}).get("labels", {}),
+                     "ray.io/node-type": "head", "ray.io/cluster": "any", "ray.io/group": "headgroup"},
+            head.get("spec", {}))]
     for group in cluster.get("workerGroupSpecs", []):
-        labels = group.get("template", {}).get("metadata", {}).get("labels", {})
-        out.append((group.get("groupName", "?"), {**labels, "ray.io/node-type": "worker",
-                                                  "ray.io/group": group.get("groupName", "?")}))
+        template, name = group.get("template", {}), group.get("groupName", "?")
+        labels = {**KUBERAY_POD_LABELS, **template.get("metadata", {}).get("labels", {}),
+                  "ray.io/node-type": "worker", "ray.io/cluster": "any", "ray.io/group": name}
+        out.append((name, labels, template.get("spec", {})))
     return out
+
+
+def metrics_exposure_errors(objs: list[dict]) -> list[str]:
+    """Ray's metrics port (8080) on every Ray pod: reachable from Prometheus where a monitor scrapes the
+    pod's namespace (or the scrape fails), and from nothing else outside the namespace."""
+    policies = [o for o in objs if o.get("kind") == "NetworkPolicy"]
+    monitors = [o for o in objs if o.get("kind") in MONITOR_KINDS]
+    errors = []
+    for obj in (o for o in objs if list(ray_cluster_specs(o))):
+        ns = obj["metadata"].get("namespace")
+        scraped = any(_watches(m, ns) for m in monitors)
+        others = {what: s for what, s in OUTSIDE_SOURCES.items() if s != PROMETHEUS}
+        others |= {f"a pod of the search clients' namespace {c}": Source(c, (("app", "client"),))
+                   for c in clients_namespaces(objs, ns)}
+        for where, cluster in ray_cluster_specs(obj):
+            for group, labels in group_labels(cluster):
+                if scraped and not ingress_allowed(policies, ns, labels, PROMETHEUS, METRICS_PORT):
+                    errors.append(f"{where}: Prometheus cannot reach port {METRICS_PORT} of the {group} "
+                                  "pods, which the monitors scrape")
+                errors += [f"{where}: {what} can reach port {METRICS_PORT} of the {group} pods"
+                           for what, source in others.items()
+                           if ingress_allowed(policies, ns, labels, source, METRICS_PORT)]
+    return errors
 
 
 def serve_exposure_errors(objs: list[dict]) -> list[str]:
@@ -887,6 +947,126 @@ def secret_errors(objs: list[dict], text: str) -> list[str]:
     errors = [f"{describe(o)}: Secrets with data must not live in manifests" for o in objs
               if o.get("kind") == "Secret" and (o.get("data") or o.get("stringData"))]
     return errors + [f"credential-like text: {m.group(0)[:12]}..." for m in CREDENTIAL_VALUE.finditer(text)]
+
+
+# ----------------------------------------------------------------------------- monitors
+
+MONITOR_KINDS = ("PodMonitor", "ServiceMonitor")
+HEAD_SERVICE_LABELS = {"ray.io/cluster": "any", "ray.io/node-type": "head", "ray.io/identifier": "any-head",
+                       "app.kubernetes.io/name": "kuberay",
+                       "app.kubernetes.io/created-by": "kuberay-operator"}  # KubeRay's HeadServiceLabels
+KUBERAY_DEFAULT_PORTS = {"client": 10001, "gcs-server": 6379, "dashboard": 8265, "metrics": METRICS_PORT,
+                         "serve": SERVE_PORT}  # a head Service's ports when the head container names none
+
+
+@dataclass
+class Target:
+    """What a monitor may select: a pod template or a Service, with its labels and named ports."""
+
+    where: str
+    namespace: str | None
+    labels: dict
+    ports: dict[str, int]
+    head_of: str | None = None  # a Service in front of a Ray head: that cluster
+
+
+# Installed out of band (docs/kubernetes.md, "Monitoring"), as its chart creates it: the Pushgateway the
+# jobs push to (prometheus-community/prometheus-pushgateway, release prometheus-pushgateway).
+EXTERNAL_SERVICES = [
+    Target("Service/prometheus-pushgateway (chart prometheus-pushgateway)", PROMETHEUS_NAMESPACE,
+           {"app.kubernetes.io/name": "prometheus-pushgateway",
+            "app.kubernetes.io/instance": "prometheus-pushgateway"},
+           {"http": 9091}),
+]
+
+
+def pod_targets(objs: list[dict]) -> list[Target]:
+    """Every pod template with its labels and named container ports; Ray pods as KubeRay makes them (its
+    labels, and the port ``metrics`` it adds to the Ray container, the first, when absent)."""
+    targets = []
+    for obj in objs:
+        ns, kind = obj.get("metadata", {}).get("namespace"), obj.get("kind")
+        for where, cluster in ray_cluster_specs(obj):
+            for group, labels, pod in ray_pods(cluster):
+                ports = {"metrics": METRICS_PORT, **_named_ports((pod.get("containers") or [{}])[:1])}
+                targets.append(Target(f"{where} {group} pods", ns, labels, ports))
+        template = (obj.get("spec", {}).get("jobTemplate", {}).get("spec", {}) if kind == "CronJob"
+                    else obj.get("spec", {}))
+        if kind in ("CronJob", "Job", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"):
+            pod = template.get("template", {})
+            targets.append(Target(f"{describe(obj)} pods", ns, pod.get("metadata", {}).get("labels", {}),
+                                  _named_ports(pod.get("spec", {}).get("containers", []))))
+    return targets
+
+
+def _named_ports(containers: list[dict]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", []) if p.get("name")}
+
+
+def service_targets(objs: list[dict]) -> list[Target]:
+    """The Services in ``objs`` and those KubeRay creates: a head Service per cluster (ports: the head
+    container's, unnamed ones as ``<port>-port``, or KubeRay's defaults; plus ``metrics``) and, for a
+    RayService, its own head Service (same pod, without app.kubernetes.io/name) and Serve Service."""
+    targets = [Target(describe(o), o["metadata"].get("namespace"), o["metadata"].get("labels", {}),
+                      {p.get("name", ""): p["port"] for p in o.get("spec", {}).get("ports", [])})
+               for o in objs if o.get("kind") == "Service"]
+    for obj in objs:
+        ns, name = obj.get("metadata", {}).get("namespace"), obj.get("metadata", {}).get("name")
+        for where, cluster in ray_cluster_specs(obj):
+            head = (cluster.get("headGroupSpec", {}).get("template", {}).get("spec", {}).get("containers")
+                    or [{}])[0]
+            ports = {p.get("name") or f"{p['containerPort']}-port": p["containerPort"]
+                     for p in head.get("ports", [])} or dict(KUBERAY_DEFAULT_PORTS)
+            ports.setdefault("metrics", METRICS_PORT)
+            targets.append(Target(f"{where} head Service", ns, dict(HEAD_SERVICE_LABELS), ports, where))
+            if obj.get("kind") == "RayService":
+                labels = {"ray.io/originated-from-cr-name": name, "ray.io/originated-from-crd": "RayService",
+                          "ray.io/node-type": "head", "ray.io/identifier": f"{name}-head"}
+                targets.append(Target(f"Service/{name}-head-svc", ns, labels, ports, where))
+                serve = {"ray.io/originated-from-cr-name": name, "ray.io/originated-from-crd": "RayService",
+                         "ray.io/serve": f"{name}-serve"}
+                targets.append(Target(f"Service/{name}-serve-svc", ns, serve,
+                                      {"serve": ports.get("serve", SERVE_PORT)}))
+    return targets
+
+
+def _watches(monitor: dict, namespace: str | None) -> bool:
+    """Whether a monitor selects targets in ``namespace`` (its own unless namespaceSelector says)."""
+    chosen = monitor.get("spec", {}).get("namespaceSelector") or {}
+    if chosen.get("any"):
+        return True
+    return namespace in (chosen.get("matchNames") or [monitor["metadata"].get("namespace")])
+
+
+def monitor_errors(objs: list[dict]) -> list[str]:
+    """PodMonitors and ServiceMonitors that scrape nothing, or twice (prometheus-operator's selection)."""
+    pods, services = pod_targets(objs), service_targets(objs) + EXTERNAL_SERVICES
+    known = {o.get("metadata", {}).get("namespace") for o in objs} | {t.namespace for t in EXTERNAL_SERVICES}
+    errors = []
+    for monitor in (o for o in objs if o.get("kind") in MONITOR_KINDS
+                    and o.get("apiVersion", "").startswith(MONITORING_GROUP + "/")):
+        where, spec = describe(monitor), monitor.get("spec", {})
+        names = (spec.get("namespaceSelector") or {}).get("matchNames") or []
+        if set(names) - known:
+            errors.append(f"{where}: watches namespace(s) {sorted(set(names) - known)}, where nothing is "
+                          "known to check against (neither this overlay nor check.EXTERNAL_SERVICES)")
+        pool = pods if monitor["kind"] == "PodMonitor" else services
+        selected = [t for t in pool if _watches(monitor, t.namespace)
+                    and selector_matches(spec.get("selector") or {}, t.labels)]
+        if not selected:
+            errors.append(f"{where}: selector {spec.get('selector')} matches no "
+                          f"{'pod' if monitor['kind'] == 'PodMonitor' else 'Service'} it watches")
+        endpoints = spec.get("podMetricsEndpoints") or spec.get("endpoints") or []
+        for port in (e["port"] for e in endpoints if e.get("port")):
+            lacking = [t.where for t in selected if port not in t.ports]
+            if lacking:
+                errors.append(f"{where}: port {port!r} is not a named port of {lacking}")
+        heads: dict[str, list[str]] = {}
+        for target in (t for t in selected if t.head_of):
+            heads.setdefault(target.head_of, []).append(target.where)
+        errors += [f"{where}: scrapes the head of {cluster} twice, through {found}"
+                   for cluster, found in heads.items() if len(found) > 1]
+    return errors
 
 
 # ----------------------------------------------------------------------------- scheduled runs
@@ -985,7 +1165,8 @@ def check_objects(objs: list[dict], text: str = "") -> list[str]:
         errors += schema_errors(obj) + kuberay_errors(obj)
         for template in pod_templates(obj):
             errors += pod_policy_errors(template)
-    errors += exposure_errors(everything) + reference_errors(everything) + schedule_errors(everything)
+    errors += exposure_errors(everything) + reference_errors(everything) + monitor_errors(everything)
+    errors += schedule_errors(everything)
     return errors + secret_errors(everything, text or yaml.safe_dump_all(everything))
 
 

@@ -4,14 +4,17 @@ version, a rollback returns, and a whole catalogue can be removed.
 
 Run 2 of each catalogue must read and embed exactly the replaced and added images; after it the
 index holds exactly the catalogue, every replaced item is found first by its new photo, and no
-query (every photo, removed ones included) returns a removed item.
+query (every photo, removed ones included) returns a removed item. The table's second run is
+`jobs/embed.py` pushing to a real Pushgateway: the pushed counts equal the printed ones.
 """
 
 from __future__ import annotations
 
+import ast
 import csv
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pushgateway import Pushgateway, used_by_monitoring
 from tiny import make_checkpoint, reference_embeddings
 
 from puma.config import IndexConfig, load_config
@@ -49,10 +53,25 @@ def photos(cls: str) -> list[Path]:
     return sorted((FLOWERS / cls).glob("*.jpg"))
 
 
+def settings(root: Path, checkpoint: str) -> list[str]:
+    return [f"index.uri={root / 'index'}", f"embed.checkpoint={checkpoint}", "embed.commit_rows=16",
+            "embed.batch_size=8", "data.decode_batch_size=8", "embed.num_cpus=1",
+            "index.compact_fraction=0.5"]
+
+
 def cfg_for(root: Path, checkpoint: str, *overrides: str):
-    return load_config(None, [f"index.uri={root / 'index'}", f"embed.checkpoint={checkpoint}",
-                              "embed.commit_rows=16", "embed.batch_size=8", "data.decode_batch_size=8",
-                              "embed.num_cpus=1", "index.compact_fraction=0.5", *overrides])
+    return load_config(None, [*settings(root, checkpoint), *overrides])
+
+
+def printed_counts(output: str) -> dict:
+    """The counts of jobs/embed.py's summary line of its one catalogue."""
+    line = next(x for x in output.splitlines() if ": embedded " in x)
+    found = re.search(r"embedded (\d+), already indexed (\d+); added (\d+), changed (\d+), removed (\d+), "
+                      r"restamped (\d+); rejected (\d+) (\{[^}]*\})", line)
+    assert found, line
+    names = ("embedded", "already_indexed", "added", "changed", "removed", "restamped", "rejected")
+    return {**dict(zip(names, map(int, found.groups()[:7]), strict=True)),
+            "reasons": ast.literal_eval(found.group(8))}
 
 
 def refs_of(paths: list[Path]) -> pa.Table:
@@ -129,7 +148,8 @@ def write_table(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_cluster, checkpoint, tmp_path):
+def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_cluster, checkpoint, tmp_path,
+                                                                          capsys):
     images = tmp_path / "images"
     images.mkdir()
     rows = []
@@ -164,9 +184,26 @@ def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_c
         new_rows.append({"item_id": f"sku-{p.stem}", "image_uri": str(images / p.name), "label": "iris",
                          "price": "7"})
     write_table(table, keep + new_rows)
-    second = embed_catalogue(cfg, str(table))
-    assert (second.embedded, second.added, second.changed) == (6, 4, 2)
-    assert (second.removed, second.restamped) == (4, 1)
+    capsys.readouterr()
+    gateway = Pushgateway(tmp_path / "pushgateway")  # the job pushes its counts (puma/job_metrics.py)
+    try:
+        assert load_job("embed").main(["--catalogue", str(table), *settings(tmp_path, checkpoint),
+                                       f"metrics.pushgateway={gateway.url}"]) == 0
+        second = printed_counts(capsys.readouterr().out)
+        assert (second["embedded"], second["added"], second["changed"]) == (6, 4, 2)
+        assert (second["removed"], second["restamped"], second["rejected"]) == (4, 1, 3)
+        at = {"job": "puma_embed", "catalogue": "shop"}
+        pushed = {o: gateway.value("puma_embed_items", outcome=o, **at)
+                  for o in ("added", "changed", "removed", "restamped", "unchanged")}
+        assert pushed == {**{o: second[o] for o in ("added", "changed", "removed", "restamped")},
+                          "unchanged": second["already_indexed"] - second["restamped"]}
+        rejects = {s[1]["reason"]: s[2] for s in gateway.samples("puma_embed_rejected_items")}
+        assert rejects == second["reasons"]
+        assert gateway.value("puma_embed_index_items", **at) == 40
+        assert gateway.value("puma_embed_last_run_failed", **at) == 0
+        assert used_by_monitoring("puma_embed_") <= {n for n, _, _ in gateway.samples()}
+    finally:
+        gateway.stop()
     ids = {r["item_id"] for r in keep + new_rows}
     every = [p for cls in CLASSES for p in photos(cls)[20:30]]
     every += list(replaced.values()) + photos("iris")[40:44]

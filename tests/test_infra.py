@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,7 +205,7 @@ def test_ray_objects_validate_against_the_kuberay_crds(overlay):
 
 @pytest.mark.parametrize("overlay", ["dev", "prod"])
 def test_builtin_kinds_validate_with_kubernetes_validate(overlay):
-    builtin = [o for o in objects(overlay) if not o["apiVersion"].startswith("ray.io/")]
+    builtin = [o for o in objects(overlay) if o["apiVersion"].partition("/")[0] not in check.CRD_SOURCES]
     assert len(builtin) >= 4
     assert [e for o in builtin for e in check.schema_errors(o)] == []
 
@@ -495,6 +496,7 @@ def test_head_ports_stay_inside_the_namespace(overlay):
 
 OPERATOR_POLICY = "puma-ray-head-from-kuberay-operator"
 SEARCH_POLICY = "puma-search-from-clients"
+METRICS_POLICY = "puma-ray-metrics-from-prometheus"
 
 
 def _rule(objs: list[dict], policy: str) -> dict:
@@ -525,6 +527,15 @@ EXPOSURES = {
     "search clients not named": lambda objs: find(objs, "RayService")["metadata"].pop("annotations"),
     "serve service LoadBalancer": lambda objs: find(objs, "RayService")["spec"].update(
         serveService={"spec": {"type": "LoadBalancer"}}),
+    "metrics policy opens the dashboard port": lambda objs: _rule(objs, METRICS_POLICY)["ports"][0].update(
+        port=8265),
+    "metrics policy without ports": lambda objs: _rule(objs, METRICS_POLICY).pop("ports"),
+    "metrics port open to every namespace": lambda objs: _rule(objs, METRICS_POLICY)["from"][0].update(
+        namespaceSelector={}),
+    "metrics port open to every pod of the Prometheus namespace": lambda objs: _rule(
+        objs, METRICS_POLICY)["from"][0].pop("podSelector"),
+    "metrics policy gone while monitored": lambda objs: objs.remove(
+        find(objs, "NetworkPolicy", METRICS_POLICY)),
 }
 
 
@@ -691,3 +702,244 @@ def test_operator_values_pin_the_tested_kuberay_and_enable_the_gates_the_manifes
     if any("deletionStrategy" in (o["spec"].get("jobTemplate") or o["spec"]) for o in everything
            if o["kind"] in ("RayJob", "RayCronJob")):
         assert gates.get("RayJobDeletionPolicy") is True
+
+
+# ----------------------------------------------------------------------------- monitoring
+
+MONITORING = INFRA / "monitoring"
+MONITORING_GUIDE = ROOT / "docs" / "monitoring.md"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+ALERTS = {"PumaSearchLatencyP99High", "PumaSearchErrorRateHigh", "PumaSearchRefusing",
+          "PumaIndexRefreshStale", "PumaEmbedRunMissing", "PumaEmbedRunFailed", "PumaEmbedRejectsSpiking"}
+
+
+def _monitoring(overlay: str = "prod") -> list[dict]:
+    return [o for o in objects(overlay) if o["apiVersion"].startswith(check.MONITORING_GROUP + "/")]
+
+
+def _dashboard() -> dict:
+    return json.loads((MONITORING / "dashboard.json").read_text())
+
+
+def _rule_spec() -> dict:
+    return yaml.safe_load((MONITORING / "rules.yaml").read_text())["spec"]
+
+
+def _promtool() -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: run scripts/setup.sh (apt-get install prometheus)")
+    return promtool
+
+
+def test_prod_is_monitored_and_its_monitoring_objects_validate_against_the_operator_crds():
+    found = _monitoring("prod")
+    assert sorted(check.describe(o) for o in found) == [
+        "PodMonitor/puma-ray-workers", "PrometheusRule/puma-alerts", "ServiceMonitor/puma-pushgateway",
+        "ServiceMonitor/puma-ray-heads"]
+    validators = check.crd_validators(*check.CRD_SOURCES[check.MONITORING_GROUP])
+    kinds = ("PodMonitor", "ServiceMonitor", "PrometheusRule")
+    assert {("monitoring.coreos.com/v1", kind) for kind in kinds} <= set(validators)
+    assert [e for o in found for e in check.schema_errors(o)] == []
+    assert _monitoring("dev") == []  # dev clusters may lack the CRDs (docs/kubernetes.md, "Monitoring")
+
+
+BAD_MONITORING = {
+    "unknown endpoint field": ("PodMonitor", "spec.podMetricsEndpoints.0.portName", "metrics",
+                               "'portName' was unexpected"),
+    "unknown spec field": ("ServiceMonitor", "spec.endpoint", [], "'endpoint' was unexpected"),
+    "honorLabels not a boolean": ("ServiceMonitor", "spec.endpoints.0.honorLabels", "true",
+                                  "is not of type 'boolean'"),
+    "no endpoints": ("ServiceMonitor", "spec.endpoints", None, "None is not of type 'array'"),
+    "duration not a Prometheus duration": ("PrometheusRule", "spec.groups.0.rules.0.for", "10 minutes",
+                                           "does not match"),
+    "labels not strings": ("PrometheusRule", "spec.groups.0.rules.0.labels", {"severity": 3},
+                           "is not of type 'string'"),
+    "typo in a rule field": ("PrometheusRule", "spec.groups.0.rules.0.expression", "up", "unexpected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MONITORING))
+def test_monitoring_crd_validation_rejects_what_an_api_server_rejects(case):
+    kind, path, value, expected = BAD_MONITORING[case]
+    obj = next(o for o in _monitoring() if o["kind"] == kind)
+    errors = check.schema_errors(_set(obj, path, value))
+    assert any(expected in e for e in errors), errors
+
+
+def test_monitors_select_kuberay_pods_and_services_and_the_pushgateway():
+    """Every Ray head once through its cluster's head Service, every Ray worker group, all on KubeRay's
+    `metrics` port; the Pushgateway with honorLabels (the pushed `job` label is the job)."""
+    objs = objects("prod")
+    assert check.monitor_errors(objs) == []
+    pods, services = check.pod_targets(objs), check.service_targets(objs)
+
+    def selected(monitor: dict, pool: list) -> list[str]:
+        return sorted(t.where for t in pool + check.EXTERNAL_SERVICES
+                      if check._watches(monitor, t.namespace) and check.selector_matches(
+                          monitor["spec"]["selector"], t.labels))
+
+    clusters = sorted(where for o in objs for where, _ in check.ray_cluster_specs(o))
+    assert len(clusters) == 4  # puma, the search service's, the train and sweep RayJobs'
+    heads = selected(find(objs, "ServiceMonitor", "puma-ray-heads"), services)
+    assert heads == [f"{c} head Service" for c in clusters]
+    workers = selected(find(objs, "PodMonitor", "puma-ray-workers"), pods)
+    assert workers == sorted(f"{where} {group} pods" for o in objs
+                             for where, cluster in check.ray_cluster_specs(o)
+                             for group, _ in check.group_labels(cluster) if group != "head")
+    gateway = find(objs, "ServiceMonitor", "puma-pushgateway")
+    assert selected(gateway, services) == [check.EXTERNAL_SERVICES[0].where]
+    assert gateway["spec"]["endpoints"] == [{"port": "http", "honorLabels": True}]
+
+
+MONITOR_BREAKS = {
+    "selector matching no pod": ("PodMonitor", "spec.selector.matchLabels", {"ray.io/node-type": "workers"},
+                                 "matches no pod"),
+    "port name typo": ("PodMonitor", "spec.podMetricsEndpoints.0.port", "metric",
+                       "port 'metric' is not a named port"),
+    "Service port that the head Service lacks": ("ServiceMonitor/puma-ray-heads", "spec.endpoints.0.port",
+                                                 "dashboard-metrics", "is not a named port"),
+    "Pushgateway in a namespace nobody knows": ("ServiceMonitor/puma-pushgateway",
+                                                "spec.namespaceSelector.matchNames", ["monitorng"],
+                                                "watches namespace(s) ['monitorng']"),
+    "heads selected through two Services": ("ServiceMonitor/puma-ray-heads", "spec.selector.matchLabels",
+                                            {"ray.io/node-type": "head"}, "twice"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MONITOR_BREAKS))
+def test_monitor_check_rejects_monitors_that_scrape_nothing_or_twice(case):
+    what, path, value, expected = MONITOR_BREAKS[case]
+    objs = objects("prod")
+    kind, _, name = what.partition("/")
+    _set(find(objs, kind, name or None), path, value)
+    errors = check.monitor_errors(objs)
+    assert any(expected in e for e in errors), errors
+
+
+def test_prometheus_reaches_the_metrics_port_of_every_ray_pod_and_nothing_else():
+    objs = objects("prod")
+    namespace = find(objs, "Namespace")["metadata"]["name"]
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    others = [s for s in check.OUTSIDE_SOURCES.values() if s != check.PROMETHEUS]
+    groups = [(f"{where} {group}", labels) for o in objs for where, cluster in check.ray_cluster_specs(o)
+              for group, labels in check.group_labels(cluster)]
+    assert len(groups) == 10
+
+    def reaches(source, labels, port):
+        return check.ingress_allowed(policies, namespace, labels, source, port)
+
+    for where, labels in groups:
+        assert reaches(check.PROMETHEUS, labels, check.METRICS_PORT), where
+        for port in (*check.HEAD_PORTS, check.SERVE_PORT):
+            assert not reaches(check.PROMETHEUS, labels, port), (where, port)
+        assert not any(reaches(source, labels, check.METRICS_PORT) for source in others), where
+    assert check.metrics_exposure_errors(objs) == []
+
+
+def test_the_rule_groups_pass_promtool_check_rules(tmp_path):
+    """The PrometheusRule's spec is a plain rule file whose PromQL and templates Prometheus accepts."""
+    rules = tmp_path / "puma-rules.yml"
+    rules.write_text(yaml.safe_dump(_rule_spec(), sort_keys=False))
+    proc = subprocess.run([_promtool(), "check", "rules", str(rules)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout
+
+
+def test_promtool_unit_tests_make_the_alerts_fire_and_stay_quiet(tmp_path):
+    """rules.test.yaml (series that fire PumaSearchErrorRateHigh, PumaEmbedRejectsSpiking, PumaEmbedRunMissing
+    and PumaEmbedRunFailed, and some that must not) against the plain rule file made from the spec."""
+    (tmp_path / "puma-rules.yml").write_text(yaml.safe_dump(_rule_spec(), sort_keys=False))
+    shutil.copy(MONITORING / "rules.test.yaml", tmp_path / "rules.test.yaml")
+    unit = yaml.safe_load((MONITORING / "rules.test.yaml").read_text())
+    assert unit["rule_files"] == ["puma-rules.yml"]
+    fired = {t["alertname"] for test in unit["tests"] for t in test["alert_rule_test"] if t["exp_alerts"]}
+    assert len(fired) >= 3 and fired <= ALERTS
+    proc = subprocess.run([_promtool(), "test", "rules", "rules.test.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_every_alert_has_a_severity_a_summary_and_a_runbook_in_the_guide():
+    from markdown.extensions.toc import slugify
+
+    text = re.sub(r"^```.*?^```", "", MONITORING_GUIDE.read_text(), flags=re.M | re.S)
+    anchors = {slugify(title.strip(), "-") for title in re.findall(r"^#+ (.+)$", text, re.M)}
+    rules = [rule for group in _rule_spec()["groups"] for rule in group["rules"]]
+    assert {rule["alert"] for rule in rules} == ALERTS
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("critical", "warning", "info"), rule["alert"]
+        notes = rule["annotations"]
+        assert notes["summary"] and notes["description"], rule["alert"]
+        page, _, anchor = notes["runbook_url"].partition("/#")
+        assert page == "monitoring" and anchor == rule["alert"].lower() and anchor in anchors, rule["alert"]
+
+
+def _panels() -> list[dict]:
+    panels = _dashboard()["panels"]
+    return panels + [inner for panel in panels for inner in panel.get("panels", [])]
+
+
+def test_the_dashboard_loads_and_every_panel_queries_the_datasource_variable():
+    board = _dashboard()
+    assert (board["uid"], board["title"]) == ("puma", "PUMA") and 36 <= board["schemaVersion"] <= 41
+    variable, = [v for v in board["templating"]["list"] if v["name"] == "datasource"]
+    assert (variable["type"], variable["query"]) == ("datasource", "prometheus")
+    panels = [p for p in _panels() if p["type"] != "row"]
+    assert len(panels) >= 25
+    assert len({p["id"] for p in _panels()}) == len(_panels())
+    for panel in panels:
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE and target["expr"].strip(), panel["title"]
+    cells = [(x, y) for box in (p["gridPos"] for p in _panels())
+             for x in range(box["x"], box["x"] + box["w"]) for y in range(box["y"], box["y"] + box["h"])]
+    assert len(cells) == len(set(cells)) and max(x for x, _ in cells) < 24, "panels overlap or overflow"
+
+
+def test_the_grafana_configmap_is_generated_from_the_dashboard_file():
+    config_map = find(objects("prod"), "ConfigMap", "puma-grafana-dashboard")  # no hash: replaced in place
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["data"] == {"puma.json": (MONITORING / "dashboard.json").read_text()}
+
+
+PROMQL = {
+    'sum by (le, route) (rate(ray_puma_request_seconds_bucket{route="search", kind=~"a|b"}[$__range]))':
+        {"ray_puma_request_seconds_bucket"},
+    "histogram_quantile(0.99, sum(rate(x_bucket[5m])) by (le)) > 0.25": {"x_bucket"},
+    "a / on(job) group_left(catalogue) b offset 1d > bool 2 and c unless d or e": {"a", "b", "c", "d", "e"},
+    "time() - max by (catalogue) (last_success) > 26 * 3600 or absent(other)": {"last_success", "other"},
+    "min_over_time((sum by (c) (x) or 0 * max without (le) (y))[1d:10m])": {"x", "y"},
+    'label_replace(up{job="a}b"}, "dst", "$1", "src", "(.*)") == 1e3': {"up"},
+    "SUM BY (le) (rate(m[5m])) > Inf": {"m"},
+}
+
+
+@pytest.mark.parametrize("expr", sorted(PROMQL))
+def test_the_promql_reader_finds_exactly_the_metric_names(expr):
+    from monitoring import metric_names
+
+    assert metric_names(expr) == PROMQL[expr]
+
+
+def test_the_dashboard_and_the_alerts_use_only_exported_metrics():
+    """A metric name mistyped in the dashboard or the rules fails here (the contract: tests/monitoring.py)."""
+    from monitoring import METRICS, metric_names_used
+
+    used = metric_names_used()
+    assert set(used) == {"dashboard", "rules"}
+    for where, names in used.items():
+        assert names and names <= METRICS, (where, sorted(names - METRICS))
+    families = {name.split("_")[1] for name in used["dashboard"]}  # ray_puma_*, puma_embed_*, ...
+    assert families == {"puma", "embed", "train", "sweep"}
+
+
+def test_the_guide_describes_every_exported_metric():
+    from monitoring import METRICS
+
+    page = MONITORING_GUIDE.read_text()
+    for name in METRICS:
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        assert f"`{base}`" in page, name

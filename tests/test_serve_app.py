@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from browser import headless_chromium
 from conftest import encode_image, write_cub_tree
+from monitoring import metric_names_used
 from PIL import Image
 from tiny import make_checkpoint
 
@@ -45,6 +46,7 @@ from puma.index.table import read_table
 from puma.index.versions import read_alias, resolve, rollback, version_name
 from puma.inference import embed_catalogue
 from puma.inference.job import embed_catalogues
+from puma.serve.metrics import unix_time
 
 REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
@@ -197,7 +199,9 @@ def test_prometheus_counts_every_request_by_route_kind_and_status(service, tmp_p
     vector queries and of refused ones (no token, a bad filter) are sent. Through Prometheus's HTTP API:
     the request counters equal what was sent, by route, kind and status; the latency histogram holds each
     kind's requests in its buckets (cumulative, ending at the count) and the exact time counter their
-    summed time; the live version's gauge is 1."""
+    summed time; the live version's gauge is 1; the stage histograms, batch sizes, filter columns and the
+    index's gauges hold what was done and served; and every service metric the dashboard and the alert
+    rules (infra/monitoring) use is in the scrape."""
     from prometheus import Prometheus
 
     sent = {"image": 3, "item_id": 4, "vector": 5}
@@ -207,8 +211,9 @@ def test_prometheus_counts_every_request_by_route_kind_and_status(service, tmp_p
         assert call(service, "POST", "search?k=3", photo.read_bytes(), "image/jpeg")[0] == 200
     for i in range(sent["item_id"]):
         assert search_json(service, {"item_id": ids[i], "k": 3})[0] == 200
-    for i in range(sent["vector"]):
-        assert search_json(service, {"vector": x[i].tolist(), "k": 3})[0] == 200
+    for i in range(sent["vector"]):  # the first one filtered
+        where = {"filter": {"dataset": "cub"}} if i == 0 else {}
+        assert search_json(service, {"vector": x[i].tolist(), "k": 3, **where})[0] == 200
     for token in (None, "wrong-token"):
         assert call(service, "POST", "search", b"{}", "application/json", token=token)[0] == 401
     assert search_json(service, {"vector": x[0].tolist(), "filter": {"no_such_column": 1}})[0] == 422
@@ -236,6 +241,25 @@ def test_prometheus_counts_every_request_by_route_kind_and_status(service, tmp_p
             assert 0 < prometheus.value(f"sum(ray_puma_request_time_seconds_total{{{selector}}})") < spent
         version = read_alias(service["index"]).live
         assert prometheus.value(f'max(ray_puma_version_live{{version="{version}"}})') == 1
+        # the stages: a model forward per image query, an index search per answered query
+        assert prometheus.value('sum(ray_puma_stage_seconds_count{stage="model"})') == sent["image"]
+        assert prometheus.value('sum(ray_puma_stage_seconds_count{stage="index"})') == sum(sent.values())
+        assert prometheus.value("sum(ray_puma_model_batch_size_count)") == sent["image"]  # one at a time
+        assert prometheus.value('sum(ray_puma_model_batch_size_bucket{le="1.0"})') == sent["image"]
+        assert prometheus.value('sum(ray_puma_filter_columns_total{column="dataset"})') == 1
+        assert prometheus.value("sum(ray_puma_filter_columns_total)") == 1  # not the refused filter's
+        # what the index replica serves, and how fresh (serve.watch_interval_s=0.5)
+        assert prometheus.value(f'sum(ray_puma_index_items{{version="{version}"}})') == 28
+        manifest = read_manifest(resolve(service["index"]))
+        assert prometheus.value(f'sum(ray_puma_index_shards{{version="{version}"}})') == len(manifest.shards)
+        assert prometheus.value("time() - max(ray_puma_index_refreshed_timestamp_seconds)") < 30
+        assert prometheus.value(f'max(ray_puma_manifest_written_timestamp_seconds{{version="{version}"}})') \
+            == unix_time(manifest.updated)
+        assert prometheus.value('sum(ray_puma_refused_total{cause="backpressure"})') == 0  # 0 from the start
+        # every service metric the dashboard and the alert rules use is in this scrape
+        scraped = prometheus.names()
+        used = {n for names in metric_names_used().values() for n in names if n.startswith("ray_")}
+        assert used and used <= scraped, sorted(used - scraped)
     finally:
         prometheus.stop()
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from kill_harness import Kill, attempt_records, audit, cluster_launcher, complete_checkpoints, run_lineage
+from pushgateway import Pushgateway, used_by_monitoring
 from raynodes import cluster_env, start_head_with_retries, stop_node
 from tiny import TINY_BACKBONE
 
@@ -173,15 +174,26 @@ def ray_head(tmp_path_factory):
 def test_ray_job_submit_runs_training(ray_head, tiny_data, tmp_path):
     address, ray_bin, env = ray_head.address, ray_head.ray_bin, ray_head.env
     config = tiny_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs=1, run_name="job")
-    for _ in range(10):  # the job agent comes up a little after the dashboard
-        result = subprocess.run(
-            [ray_bin, "job", "submit", f"--address={address}", "--working-dir", ".", "--",
-             "python", "jobs/train.py", "--config", str(config)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        if "No available agent" not in result.stdout + result.stderr:
-            break
-        time.sleep(5)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert "succeeded" in result.stdout
-    assert "harmonic" in result.stdout and "best checkpoint" in result.stdout
-    assert _last_meta(tmp_path / "runs" / "job")["epoch"] == 1
+    gateway = Pushgateway(tmp_path / "pushgateway")  # rank 0 pushes each epoch's figures there
+    try:
+        for _ in range(10):  # the job agent comes up a little after the dashboard
+            result = subprocess.run(
+                [ray_bin, "job", "submit", f"--address={address}", "--working-dir", ".", "--",
+                 "python", "jobs/train.py", "--config", str(config), f"metrics.pushgateway={gateway.url}"],
+                cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            if "No available agent" not in result.stdout + result.stderr:
+                break
+            time.sleep(5)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        assert "succeeded" in result.stdout
+        assert "harmonic" in result.stdout and "best checkpoint" in result.stdout
+        metrics = _last_meta(tmp_path / "runs" / "job")["metrics"]
+        assert metrics["epoch"] == 1
+        at = {"job": "puma_train", "run": "job"}
+        assert gateway.value("puma_train_epoch", **at) == 1
+        assert gateway.value("puma_train_loss", **at) == pytest.approx(metrics["train/loss"])
+        assert gateway.value("puma_train_validation", metric="harmonic/r@1", **at) \
+            == pytest.approx(metrics["harmonic/r@1"])
+        assert used_by_monitoring("puma_train_") <= {n for n, _, _ in gateway.samples()}
+    finally:
+        gateway.stop()

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kill_harness import attempt_records, complete_checkpoints
+from pushgateway import Pushgateway, used_by_monitoring
 from tiny import TINY_BACKBONE
 
 from puma.config import load_config, to_dict
@@ -81,7 +82,7 @@ def tiny_config(path: Path, data_uri: str, sweeps: str, runs: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
+def setup(tmp_path_factory):
     """Real photos and drawings prepared to Parquet: flowers 12 species x 10, omniglot 242 x 4."""
     root = tmp_path_factory.mktemp("sweep")
     data = str(root / "data")
@@ -89,9 +90,14 @@ def setup(tmp_path_factory) -> dict:
              SourceSpec("folder", "omniglot", str(SHARED / "omniglot-subset"), 2, 4)]
     prepare(specs, data, log=lambda _: None)
     config = tiny_config(root / "tiny.yaml", data, str(root / "sweeps"), str(root / "runs"))
+    gateway = Pushgateway(root / "pushgateway")  # the sweep pushes its trials by state there
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()),
+                                      "metrics": {"pushgateway": gateway.url}}))
     space = root / "space.yaml"
     space.write_text(yaml.safe_dump(TEST_SPACE))
-    return {"root": root, "config": config, "space": space, "sweep_dir": root / "sweeps" / "tiny"}
+    yield {"root": root, "config": config, "space": space, "sweep_dir": root / "sweeps" / "tiny",
+           "gateway": gateway}
+    gateway.stop()
 
 
 # ----------------------------------------------------------------------------- before any trial
@@ -321,6 +327,18 @@ def test_asha_stops_the_bad_trial_early_and_decides_every_trial_by_its_rule(resu
     assert resumed_sweep["summary"]["status_counts"]["stopped early"] == len(stopped)
     best = max(rows, key=lambda r: float(r["harmonic/r@1"]))
     assert resumed_sweep["summary"]["best"]["params"]["optim.lr"] == float(best["optim.lr"]) == GOOD_LR
+
+
+@SWEEP_BUDGET
+def test_the_sweep_pushed_its_trials_by_state(resumed_sweep, setup):
+    """The Pushgateway holds the end of the resumed run: every trial started, each finished or pruned
+    as the results say (the trials restored from the killed run counted too)."""
+    rows = resumed_sweep["rows"]
+    pushed = {s[1]["state"]: s[2] for s in setup["gateway"].samples("puma_sweep_trials")
+              if s[1]["sweep"] == "tiny"}
+    assert pushed == {"started": NUM_SAMPLES, "finished": sum(r["status"] == "completed" for r in rows),
+                      "pruned": sum(r["status"] == "stopped early" for r in rows), "failed": 0}
+    assert used_by_monitoring("puma_sweep_") <= {n for n, _, _ in setup["gateway"].samples()}
 
 
 @SWEEP_BUDGET
