@@ -493,6 +493,9 @@ class IndexConfig:
     # serve.index_replica_memory_gb (decided at service start; elsewhere above index.memory_budget_gb)
     cache_dir: str = ""  # serving: local folder for each replica's column files (hit fields and embeddings,
     # about the index's Parquet size uncompressed) and on-disk lists; '' = the system temp folder
+    filter_cache_mb: float = 256.0  # serving: memory a replica may keep of repeated filters' selected
+    # embeddings (selections small enough to scan exactly, at most 20 MB each), so their scans skip the
+    # gather; 0: none kept
 
     def __post_init__(self) -> None:
         _check_choice("index.index_type", self.index_type, INDEX_TYPES)
@@ -511,6 +514,8 @@ class IndexConfig:
         _check(self.flat_max_items >= 0, "index.flat_max_items must be >= 0")
         _check(self.train_sample >= 0, f"index.train_sample={self.train_sample!r} must be >= 0 (0: auto)")
         _check(self.query_chunk >= 1, "index.query_chunk must be >= 1")
+        _check(self.filter_cache_mb >= 0, f"index.filter_cache_mb={self.filter_cache_mb!r} must be >= 0 "
+                                          "(0: none kept)")
 
 
 # ----------------------------------------------------------------------------- batch embedding

@@ -24,6 +24,7 @@ folder (identical results; page cache instead of heap).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -79,6 +80,7 @@ class Selection:
     size: int  # global ids covered
     count: int = -1  # rows selected (-1: not counted); an IVF search looks further the fewer there are
     rows: np.ndarray | None = None  # the selected rows, ascending, when few enough to scan exactly
+    vectors: np.ndarray | None = None  # their embeddings (rows, E), gathered once for a repeated filter
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,8 @@ class ShardedIndex:
             raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
                                   "state of the index (select again)")
         if widen and chosen.rows is not None:  # few rows: an exact scan of their vectors
-            return exact_topk(self.vectors_at(chosen.rows), chosen.rows, q, k, self.manifest.metric)
+            vectors = chosen.vectors if chosen.vectors is not None else self.vectors_at(chosen.rows)
+            return exact_topk(vectors, chosen.rows, q, k, self.manifest.metric)
         selector, nlist = backend.bitmap_selector(self._bits(chosen)), self.manifest.nlist
         if nlist and widen and chosen.count >= 0:
             nprobe = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total)
@@ -309,6 +312,13 @@ class ShardedIndex:
     def _bitmap(self, rows_mask: np.ndarray) -> np.ndarray:
         """A bool mask over rows as FAISS's packed bitmap over global ids."""
         return np.packbits(self._id_mask(rows_mask), bitorder="little")
+
+    def with_vectors(self, chosen: Selection) -> Selection:
+        """``chosen`` holding its rows' embeddings, so that its scans skip the gather (a selection
+        scanned exactly; others are returned as they are)."""
+        if chosen.rows is None or chosen.vectors is not None:
+            return chosen
+        return dataclasses.replace(chosen, vectors=self.vectors_at(chosen.rows))
 
     def vectors_at(self, rows: np.ndarray) -> np.ndarray:
         """The stored embeddings of rows (n,), ascending, as (n, E) float32: from the held embedding

@@ -84,6 +84,7 @@ class State:
     manifest: Manifest
     loaded_at: float = field(default_factory=time.time)
     selections: dict = field(default_factory=dict)  # (datasets, catalogues, filter) -> (Selection, unknowns)
+    selection_bytes: int = 0  # what the selections hold of gathered embeddings (index.filter_cache_mb)
     filterable: dict | None = None  # GET /stats' filterable columns, described once per state
 
     @property
@@ -268,12 +269,13 @@ class LiveIndex:
         if key not in state.selections:
             if len(state.selections) >= MAX_CACHED_FILTERS:
                 state.selections.clear()
+                state.selection_bytes = 0
             live = state.index.live
             by_dataset, unknown_datasets = _mask(state.index, DATASET, datasets, live)
             by_catalogue, unknown_catalogues = _catalogue_mask(state.index, catalogues, live)
             by_filter, unknown_columns = _filter_mask(state.index, where, strict)
             masks = [m for m in (by_dataset, by_catalogue, by_filter) if m is not None]
-            chosen = state.index.select(functools.reduce(np.logical_and, masks, live))
+            chosen = self._held(state, state.index.select(functools.reduce(np.logical_and, masks, live)))
             state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
         chosen, unknown_datasets, unknown_catalogues, unknown_columns = state.selections[key]
         if strict and unknown_datasets:
@@ -285,6 +287,18 @@ class LiveIndex:
             raise RequestError(422, f"unknown catalogue(s) {unknown_catalogues}; this index has "
                                     f"{sorted(present)[:20]}")
         return chosen, _named(unknown_datasets, unknown_catalogues, unknown_columns)
+
+    def _held(self, state: State, chosen: Selection) -> Selection:
+        """A selection scanned exactly, with its rows' embeddings gathered now (its first scan would
+        gather them anyway) while the state's selections hold at most index.filter_cache_mb of them:
+        a repeated filter's scan then reads one contiguous block."""
+        if chosen.rows is None:
+            return chosen
+        need = len(chosen.rows) * state.index.dim * 4  # float32
+        if state.selection_bytes + need > self.cfg.filter_cache_mb * 1e6:
+            return chosen
+        state.selection_bytes += need
+        return state.index.with_vectors(chosen)
 
     # ------------------------------------------------------------------------- images and stats
 
