@@ -263,24 +263,35 @@ def same_hits(a: list[dict], b: list[dict]) -> bool:
         np.allclose([h["score"] for h in a], [h["score"] for h in b], rtol=0, atol=2e-6)
 
 
-def test_jobs_search_filters_like_the_index(tmp_path):
-    """jobs/search.py's run_search with a filter: each query's results are the brute-force top-k of the
-    matching rows (Flat), fewer when fewer match; item queries leave the item out."""
-    index = built(tmp_path, "flat")
+@pytest.mark.parametrize("index_type", ["flat", "ivf_flat"])
+def test_jobs_search_filters_like_the_index(tmp_path, index_type, few_rows_brute_force):
+    """jobs/search.py's run_search with 100 random filters per index type (200 in all, every operator):
+    each query's results are the brute-force top-k of the matching rows (fewer when fewer match) wherever
+    the search is exact (Flat; on IVF a scan of the selected rows or of every list), else the index's own
+    filtered search; item queries leave the item out."""
+    index = built(tmp_path, index_type)
     vectors, rows = all_vectors(index), rows_of(index)
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((6, DIM)).astype(np.float32)
+    rng = np.random.default_rng(5 if index_type == "flat" else 6)
+    q = rng.standard_normal((3, DIM)).astype(np.float32)
     np.save(tmp_path / "q.npy", q)
-    cfg = IndexConfig(uri=str(tmp_path / "flat"), use_gpu=False)
-    for raw in ({"and": [{"category": "boots"}, {"price": {"lt": 50}}, {"in_stock": True}]},
-                {"brand": "brand-3", "stock": {"lt": 5}}, {"or": [{"label": 2}, {"tags": {"exists": True}}]}):
-        where = parse_filter(raw)
-        keep = np.array([matches(raw, r) and live for r, live in zip(rows, index.live, strict=True)])
-        out = run_search(cfg, 12, str(tmp_path / "q.npy"), out_uri=str(tmp_path / "r.parquet"), where=where)
+    cfg = IndexConfig(uri=str(tmp_path / index_type), use_gpu=False, nprobe=4)
+    exact = 0
+    for n in range(100):
+        raw = random_filter(rng)
+        keep = index.filter_mask(parse_filter(raw))  # the rows it matches (checked against Python above)
+        k = int(rng.integers(1, 20))
+        out = run_search(cfg, k, str(tmp_path / "q.npy"), out_uri=str(tmp_path / "r.parquet"),
+                         where=parse_filter(raw))
+        is_exact = index_type == "flat" or keep.sum() <= BRUTE_FORCE_ROWS \
+            or filtered_nprobe(4, 32, int(keep.sum()), index.live_total) == 32
+        exact += is_exact
+        _, same = index.search_ids(q, k, allowed=index.select(keep))
         for i in range(len(q)):
             got = [r["item_id"] for r in out.results.to_pylist() if r["query"] == f"q{i}"]
-            want = index.to_item_ids(np.array(brute_force(vectors, keep, q[i], 12), dtype=np.int64)).tolist()
-            assert got == want, (raw, i)
+            want = brute_force(vectors, keep, q[i], k) if is_exact else [r for r in same[i] if r >= 0]
+            assert got == index.to_item_ids(np.array(want, dtype=np.int64)).tolist(), (n, raw, i)
+            assert len(got) == min(k, int(keep.sum())), (n, raw)
+    assert exact >= 40, exact
     item = rows[int(np.flatnonzero(index.live)[0])]["item_id"]
     out = run_search(cfg, 5, item_ids=[item], out_uri=str(tmp_path / "i.parquet"),
                      where=parse_filter({"category": "heels"}))
@@ -337,3 +348,32 @@ def test_selected_vectors_are_the_stored_embeddings_wherever_the_index_holds_the
     in_memory = ShardedIndex.open(uri, use_gpu=False, holding=Holding(columns=("item_id", "embedding")))
     for held in (index, in_file, in_memory):  # the shards' Parquet, the mapped column file, memory
         assert np.array_equal(held.vectors_at(rows), vectors[rows])
+
+
+def test_a_repeated_filter_scans_its_gathered_vectors_held_within_the_budget(tmp_path, few_rows_brute_force):
+    """A selection scanned exactly keeps its rows' embeddings (gathered once, when it is made) while the
+    state's selections hold at most index.filter_cache_mb of them; a repeated filter's hits are those of
+    a replica that keeps none (index.filter_cache_mb=0), the first time and again."""
+    index, rng = built(tmp_path, "ivf_flat"), np.random.default_rng(5)
+    scanned = {}  # two filters that select few enough rows to scan exactly -> their rows
+    while len(scanned) < 2:
+        where = parse_filter(random_filter(rng))
+        rows = int(index.filter_mask(where, unknown_ok=True).sum())
+        if 0 < rows <= BRUTE_FORCE_ROWS:
+            scanned[where] = rows
+    budget = next(iter(scanned.values())) * DIM * 4  # bytes: the first filter's vectors, not the second's
+    uri = str(tmp_path / "ivf_flat")
+    holding = LiveIndex(IndexConfig(uri=uri, use_gpu=False, nprobe=4, filter_cache_mb=budget / 1e6,
+                                    cache_dir=str(tmp_path / "a")), "m", DIM)
+    keeping_none = LiveIndex(IndexConfig(uri=uri, use_gpu=False, nprobe=4, filter_cache_mb=0,
+                                         cache_dir=str(tmp_path / "b")), "m", DIM)
+    for _ in range(2):
+        for where in scanned:
+            q = rng.standard_normal(DIM).astype(np.float32)
+            assert holding.search_vector(q, 7, where=where) == keeping_none.search_vector(q, 7, where=where)
+    first, second = (s[0] for s in holding.state.selections.values())
+    index = holding.state.index
+    assert np.array_equal(first.vectors, index.vectors_at(first.rows))  # the stored embeddings
+    assert second.vectors is None and second.rows is not None  # past the budget: gathered at each scan
+    assert holding.state.selection_bytes == first.vectors.nbytes == budget
+    assert all(s[0].vectors is None for s in keeping_none.state.selections.values())
