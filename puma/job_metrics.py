@@ -73,16 +73,14 @@ def push(cfg: MetricsConfig, job: str, grouping: Mapping[str, str], figures: Fig
     return True
 
 
-def push_embed(cfg: MetricsConfig, report) -> bool:
-    """One catalogue's run (a puma.inference.job.EmbedReport)."""
-    from puma.inference.catalogue import catalogue_name
-
+def push_embed(cfg: MetricsConfig, catalogue: str, report) -> bool:
+    """One catalogue's run (``report``: a puma.inference.job.EmbedReport; ``catalogue``: its name)."""
     figures, now = Figures(), time.time()
     figures.set("puma_embed_last_run_timestamp_seconds", now, "When the catalogue's last run ended")
     figures.set("puma_embed_last_run_failed", 1 if report.error else 0, "1 when the last run failed")
     if not report.error:
         _embed_figures(figures, report, now)
-    return push(cfg, "puma_embed", {"catalogue": catalogue_name(report.catalogue)}, figures)
+    return push(cfg, "puma_embed", {"catalogue": catalogue}, figures)
 
 
 def _embed_figures(figures: Figures, report, now: float) -> None:

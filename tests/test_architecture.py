@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("puma", "puma.errors"),  # the package root (library_versions); the family of user errors
     ("puma.storage", "puma.distributed", "puma.console"),  # foundations: URIs, ranks, the console
     ("puma.config", "puma.runtime", "puma.run_folder"),  # typed config; starting/joining Ray; a run's folder
-    ("puma.data", "puma.models", "puma.losses", "puma.optim"),  # building blocks
+    # building blocks; the jobs' figures for Prometheus
+    ("puma.data", "puma.models", "puma.losses", "puma.optim", "puma.job_metrics"),
     ("puma.methods",),  # one record per method: composes models, losses, data (pseudo-labels)
     ("puma.checkpoint", "puma.cli"),  # rebuild a method's model; a job's config with its method's checks
     ("puma.index", "puma.export"),  # sharded FAISS: build, verify, search; ONNX export of a checkpoint

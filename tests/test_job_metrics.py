@@ -33,7 +33,7 @@ def test_a_failed_run_keeps_the_last_success_and_its_counts(gateway):
     cfg = MetricsConfig(pushgateway=gateway.url)
     ok = report(added=5, changed=2, removed=1, restamped=3, skipped_indexed=10, images=7, seconds=3.5,
                 total=40, reject_reasons={"corrupt": 2, "missing_file": 1})
-    assert push_embed(cfg, ok)
+    assert push_embed(cfg, "shoes", ok)
     at = {"catalogue": "shoes", "job": "puma_embed"}
     counts = {o: gateway.value("puma_embed_items", outcome=o, **at)
               for o in ("added", "changed", "removed", "restamped", "unchanged")}
@@ -45,13 +45,13 @@ def test_a_failed_run_keeps_the_last_success_and_its_counts(gateway):
     success = gateway.value("puma_embed_last_success_timestamp_seconds", **at)
     assert success == gateway.value("puma_embed_last_run_timestamp_seconds", **at)
 
-    assert push_embed(cfg, report(error="table shoes.csv has no item_id column"))
+    assert push_embed(cfg, "shoes", report(error="table shoes.csv has no item_id column"))
     assert gateway.value("puma_embed_last_run_failed", **at) == 1
     assert gateway.value("puma_embed_last_run_timestamp_seconds", **at) > success
     assert gateway.value("puma_embed_last_success_timestamp_seconds", **at) == success
     assert gateway.value("puma_embed_items", outcome="added", **at) == 5
 
-    assert push_embed(cfg, report(added=1, total=41))  # a reason gone from the rejects is gone here too
+    assert push_embed(cfg, "shoes", report(added=1, total=41))  # a reason gone from the rejects: gone here
     assert gateway.value("puma_embed_rejected_items", reason="corrupt", **at) is None
     assert gateway.value("puma_embed_rejected_items", reason="none", **at) == 0
 
@@ -84,9 +84,10 @@ def test_sweep_trials_are_counted_by_state(gateway):
 
 def test_an_unreachable_pushgateway_is_a_warning_not_a_failure(caplog):
     with caplog.at_level(logging.WARNING, logger="puma.job_metrics"):
-        assert not push_embed(MetricsConfig(pushgateway="http://127.0.0.1:9", push_timeout_s=2), report())
+        unreachable = MetricsConfig(pushgateway="http://127.0.0.1:9", push_timeout_s=2)
+        assert not push_embed(unreachable, "shoes", report())
     assert "could not push puma_embed metrics to http://127.0.0.1:9" in caplog.text
-    assert push_embed(MetricsConfig(), report())  # none set: nothing to do
+    assert push_embed(MetricsConfig(), "shoes", report())  # none set: nothing to do
 
 
 def test_a_pushgateway_that_is_not_a_url_is_refused_in_one_line():

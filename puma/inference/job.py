@@ -212,14 +212,15 @@ def embed_catalogues(cfg: Config, catalogues: list[str], *, checkpoint: str | No
         try:
             reports.append(embed_catalogue(cfg, catalogue, checkpoint=ckpt, settle=False))
         except UserError as exc:  # CatalogueError, IndexInputError, SchemaError, CheckpointError, ...
-            push_embed(cfg.metrics, EmbedReport(catalogue=catalogue, index_uri=location, error=str(exc)))
+            push_embed(cfg.metrics, catalogue_name(catalogue),
+                       EmbedReport(catalogue=catalogue, index_uri=location, error=str(exc)))
             if not keep_going:
                 raise
             log.error("catalogue %s failed: %s", catalogue, exc)
             reports.append(EmbedReport(catalogue=catalogue, index_uri=location, location=location,
                                        error=str(exc)))
             continue
-        push_embed(cfg.metrics, reports[-1])  # metrics.pushgateway, when set
+        push_embed(cfg.metrics, catalogue_name(catalogue), reports[-1])  # metrics.pushgateway, when set
     done = [r for r in reports if not r.error]
     if done and not any(r.error for r in reports):
         done[-1].promoted = settle_version(cfg, location, done[-1].version)
