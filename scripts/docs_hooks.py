@@ -64,7 +64,7 @@ def bench_table(name: str, page: str) -> str:
 def config_reference() -> str:
     """Every config key, grouped by section, in declaration order."""
     lines = ["# Config keys", "",
-             "Every key a job accepts, generated from the typed config (`puma/config.py`) when this guide is "
+             "Every key a job accepts, generated from the typed config (`puma/config/`) when this guide is "
              "built: the same text as `python jobs/train.py --help-config`. A job reads its defaults, then "
              "`--config FILE` (or `$PUMA_CONFIG`, else `configs/demo.yaml`), then `key=value` overrides; an "
              "unknown key or a value of the wrong type is an error naming the closest valid key. The "

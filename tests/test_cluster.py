@@ -268,7 +268,8 @@ def test_working_dir_package_is_small_and_holds_the_code_not_local_state(tmp_pat
     create_package(str(ROOT), package, include_gitignore=False, excludes=runtime_env()["excludes"])
     names = zipfile.ZipFile(package).namelist()
     assert package.stat().st_size < GCS_STORAGE_MAX_SIZE // 8
-    assert "puma/config.py" in names and "jobs/train.py" in names and "configs/paper_vit_s.yaml" in names
+    assert "puma/config/loader.py" in names and "jobs/train.py" in names
+    assert "configs/paper_vit_s.yaml" in names
     leaked = [n for n in names if n.split("/")[0] in (".venv", "artifacts", ".git", "tests")
               or "__pycache__" in n]
     assert not leaked, leaked[:10]

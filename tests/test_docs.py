@@ -86,7 +86,7 @@ def _python_name(dotted: str) -> bool:
 
 
 def test_every_dotted_config_key_the_pages_name_exists():
-    """A key renamed or removed in puma/config.py fails here until every page is updated."""
+    """A key renamed or removed in puma/config/ fails here until every page is updated."""
     keys = {key for key, *_ in describe_keys()}
     sections = {key.rsplit(".", n)[0] for key in keys for n in range(1, key.count(".") + 1)}
     source = "\n".join(path.read_text() for path in (REPO / "puma").rglob("*.py"))
