@@ -18,6 +18,7 @@ reads (``DataContext.retried_io_errors``), so ``ray_filesystem`` makes one attem
 Tune do not retry, so ``ray_storage`` gives pyarrow's standard strategy ``max_attempts``.
 
 ``preflight`` checks, before a job starts Ray, that the endpoint is well formed and answers, that
+credentials are found and accepted, and that every bucket (and every input) the job names exists.
 
 The package, one job a module (lowest first; each imports only those above it):
 
