@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from puma import storage
 from puma.index import backend
 from puma.index.cache import ColumnFile, LocalCache, read_compact
 from puma.index.filtered import (
@@ -49,6 +48,7 @@ from puma.index.filtered import (
     merged_types,
 )
 from puma.index.filters import Filter, check_filter, evaluate
+from puma.index.layout import IndexFolder
 from puma.index.lookup import IdLookup, hash_id, hash_ids
 from puma.index.manifest import (
     FileEntry,
@@ -536,7 +536,7 @@ def drop_self(scores: np.ndarray, ids: np.ndarray, own: np.ndarray) -> tuple[np.
 
 
 def _path(uri: str, entry: FileEntry) -> str:
-    return storage.join(uri, *entry.path.split("/"))
+    return IndexFolder(uri).file(entry.path)
 
 
 def _read_checked(uri: str, entry: FileEntry) -> bytes:
