@@ -2,7 +2,8 @@
 search; versions of an index location, one per model, behind an alias (``puma.index.versions``).
 
 An index is a folder (local path or s3://) of shards plus ``manifest.json``; see
-``puma.index.manifest`` for the layout and ``puma.index.plan`` for how the type is chosen.
+``puma.index.manifest`` for what it holds, ``puma.index.layout`` for every path under an index location
+and ``puma.index.plan`` for how the type is chosen.
 Importing this package imports numpy and pyarrow, never faiss (loaded on first use, see
 ``puma.index.backend``), Ray or torch.
 """

@@ -26,13 +26,16 @@ from puma import library_versions, storage
 from puma.config import IndexConfig
 from puma.faults import fault_point
 from puma.index import backend
-from puma.index.manifest import (
-    LIBRARIES,
-    REMOVED_PREFIX,
+from puma.index.layout import (
     SHARD_EMBEDDINGS_FILE,
     SHARD_INDEX_FILE,
-    SHARDS_DIR,
     TRAINED_FILE,
+    IndexFolder,
+    removed_file,
+    shard_file,
+)
+from puma.index.manifest import (
+    LIBRARIES,
     IndexIntegrityError,
     Manifest,
     ShardEntry,
@@ -210,10 +213,9 @@ def _write_shard(uri: str, name: str, id_start: int, trained: bytes, table: pa.T
     table = table.add_column(0, INDEX_ID, pa.array(ids))
     index = backend.deserialize(trained)
     index.add_with_ids(embedding_matrix(table), ids)
-    folder = f"{SHARDS_DIR}/{name}"
-    embeddings = write_file(uri, f"{folder}/{SHARD_EMBEDDINGS_FILE}", to_parquet_bytes(table))
+    embeddings = write_file(uri, shard_file(name, SHARD_EMBEDDINGS_FILE), to_parquet_bytes(table))
     fault_point("index.shard_written")
-    index_entry = write_file(uri, f"{folder}/{SHARD_INDEX_FILE}", backend.serialize(index))
+    index_entry = write_file(uri, shard_file(name, SHARD_INDEX_FILE), backend.serialize(index))
     return ShardEntry(name=name, count=len(table), id_start=id_start, index=index_entry,
                       embeddings=embeddings, created=now(), source=source)
 
@@ -237,7 +239,7 @@ def _write_tombstones(uri: str, manifest: Manifest,
         buf = io.BytesIO()
         np.save(buf, new, allow_pickle=False)
         data = buf.getvalue()
-        path = f"{SHARDS_DIR}/{entry.name}/{REMOVED_PREFIX}{storage.sha256(data)[:16]}.npy"
+        path = shard_file(entry.name, removed_file(storage.sha256(data)))
         changed[entry.name] = dataclasses.replace(entry, removed=write_file(uri, path, data),
                                                   removed_count=len(new))
         count += len(new) - len(old)
@@ -270,7 +272,7 @@ def live_table(uri: str) -> pa.Table:
 
 def _live_rows(uri: str, shard: ShardEntry) -> pa.Table:
     """A shard's stored rows less its removed ones, without index_id (ready to be written again)."""
-    table = read_table(storage.join(uri, *shard.embeddings.path.split("/")))
+    table = read_table(IndexFolder(uri).file(shard.embeddings.path))
     return table.filter(pa.array(live_rows(uri, shard))).drop_columns([INDEX_ID])
 
 
@@ -287,7 +289,7 @@ def _check_no_other_writer(uri: str, before: tuple) -> None:
 
 def _read_trained(uri: str, manifest: Manifest) -> bytes:
     """trained.faiss bytes, checked against the manifest's checksum."""
-    path = storage.join(uri, TRAINED_FILE)
+    path = IndexFolder(uri).trained
     data = storage.read_bytes(path)
     if storage.sha256(data) != manifest.trained.sha256:
         raise IndexIntegrityError(f"{path} does not match the checksum in the manifest; the trained "
@@ -305,7 +307,7 @@ def indexed_item_ids(uri: str, manifest: Manifest | None = None) -> pa.Array:
 
 
 def _live_column(uri: str, shard: ShardEntry, column: str) -> pa.ChunkedArray:
-    col = read_columns(storage.join(uri, *shard.embeddings.path.split("/")), [column])[column]
+    col = read_columns(IndexFolder(uri).file(shard.embeddings.path), [column])[column]
     if not shard.removed_count:
         return col
     return col.filter(pa.array(live_rows(uri, shard)))

@@ -2,7 +2,7 @@
 shards, and how far an IVF search must look to return an exact filtered top-k.
 
 A shard's filter table (``filter_table``) holds the built-in columns dataset, catalogue, label and
-class_name and the metadata's typed columns (``puma.index.filters.metadata_columns``: a catalogue
+class_name and the metadata's typed columns (``puma.index.metadata.metadata_columns``: a catalogue
 table's other columns, numbers as numbers, true/false as booleans). A CSV table's cells are stored
 as text, so a text column whose every value is a plain number (``-12``, ``4.5``, ``1e3``; no leading
 zero, so ``02134`` stays text) is a number column, and one of only ``true`` and ``false`` a boolean
@@ -33,7 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from puma.index.cache import as_dictionary
-from puma.index.filters import column_types, describe_columns, metadata_columns
+from puma.index.filter_eval import column_types, describe_columns
+from puma.index.metadata import metadata_columns
 from puma.index.table import CATALOGUE, CLASS_NAME, DATASET, LABEL, METADATA
 
 BUILT_IN = (DATASET, CATALOGUE, LABEL, CLASS_NAME)  # filterable on every index

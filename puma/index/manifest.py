@@ -1,6 +1,6 @@
 """The index manifest: what an index folder holds, written last so that it is the commit point.
 
-Layout of an index folder (local path or s3://)::
+What an index folder holds (its paths are named in ``puma.index.layout``)::
 
     manifest.json                   this file: model id, dim, metric, type, factory, shards,
                                     checksums of every other file, created/updated, versions,
@@ -34,15 +34,10 @@ import numpy as np
 
 from puma import storage
 from puma.errors import UserError
+from puma.index.layout import MANIFEST_FILE, IndexFolder, folder_name, shard_file
 from puma.index.plan import IndexInputError
 
 FORMAT_VERSION = 2  # 2: tombstones (removed), catalogues, runs, checkpoint, next_free_id
-MANIFEST_FILE = "manifest.json"
-TRAINED_FILE = "trained.faiss"
-SHARDS_DIR = "shards"
-SHARD_INDEX_FILE = "index.faiss"
-SHARD_EMBEDDINGS_FILE = "embeddings.parquet"
-REMOVED_PREFIX = "removed-"
 RUNS_KEPT = 50  # run records a manifest keeps (the newest)
 # the libraries that shape an index's meaning (manifest "versions", evaluation.json "versions")
 LIBRARIES = ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "numpy", "pyarrow", "puma-ray")
@@ -165,7 +160,7 @@ def _shard(data: dict) -> ShardEntry:
 
 
 def manifest_uri(uri: str) -> str:
-    return storage.join(uri, MANIFEST_FILE)
+    return IndexFolder(uri).manifest
 
 
 def read_manifest(uri: str) -> Manifest:
@@ -191,13 +186,13 @@ def write_manifest(uri: str, manifest: Manifest) -> None:
 
 def write_file(uri: str, relpath: str, data: bytes) -> FileEntry:
     """Write ``data`` under the index folder and return its FileEntry (checksum of what was written)."""
-    storage.write_bytes(storage.join(uri, *relpath.split("/")), data)
+    storage.write_bytes(IndexFolder(uri).file(relpath), data)
     return FileEntry(path=relpath, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
 
 
 def read_checked(uri: str, entry: FileEntry) -> bytes:
     """A file of the index, refused when its bytes do not match the manifest's sha256."""
-    path = storage.join(uri, *entry.path.split("/"))
+    path = IndexFolder(uri).file(entry.path)
     data = storage.read_bytes(path)
     if storage.sha256(data) != entry.sha256:
         raise IndexIntegrityError(f"{path} does not match its manifest checksum; run "
@@ -237,17 +232,15 @@ def orphan_files(uri: str, manifest: Manifest) -> list[str]:
     named = {e.path for s in manifest.shards for e in (s.index, s.embeddings, s.removed) if e is not None}
     orphans = []
     for shard in manifest.shards:
-        folder = storage.join(uri, SHARDS_DIR, shard.name)
-        orphans += [f for f in storage.list_files(folder)
-                    if f"{SHARDS_DIR}/{shard.name}/{f.rstrip('/').rsplit('/', 1)[-1]}" not in named]
+        orphans += [f for f in storage.list_files(IndexFolder(uri).shard(shard.name))
+                    if shard_file(shard.name, folder_name(f)) not in named]
     return orphans
 
 
 def orphan_shards(uri: str, manifest: Manifest) -> list[str]:
     """Shard folders under the index that the manifest does not list (unfinished writes)."""
     committed = {s.name for s in manifest.shards}
-    return [d for d in storage.list_dirs(storage.join(uri, SHARDS_DIR))
-            if d.rstrip("/").rsplit("/", 1)[-1] not in committed]
+    return [d for d in IndexFolder(uri).shard_folders() if folder_name(d) not in committed]
 
 
 def shard_name(seq: int) -> str:

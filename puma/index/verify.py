@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from puma import storage
 from puma.index import backend
+from puma.index.layout import IndexFolder
 from puma.index.manifest import (
     FileEntry,
     IndexIntegrityError,
@@ -77,7 +78,7 @@ def verify(uri: str) -> VerifyReport:
 
 def _check_file(uri: str, entry: FileEntry, report: VerifyReport) -> bool:
     """Size and sha256 of one file; False (and a problem) when it is missing or differs."""
-    path = storage.join(uri, *entry.path.split("/"))
+    path = IndexFolder(uri).file(entry.path)
     report.files_checked += 1
     if not storage.exists(path):
         report.problems.append(f"{entry.path}: missing")
@@ -91,13 +92,13 @@ def _check_file(uri: str, entry: FileEntry, report: VerifyReport) -> bool:
 
 def _check_shard(uri: str, manifest: Manifest, shard: ShardEntry, report: VerifyReport) -> pa.ChunkedArray:
     """Counts and ids of one shard whose files match their checksums; returns its item ids."""
-    table = read_columns(storage.join(uri, *shard.embeddings.path.split("/")), [INDEX_ID, ITEM_ID])
+    table = read_columns(IndexFolder(uri).file(shard.embeddings.path), [INDEX_ID, ITEM_ID])
     expected = np.arange(shard.id_start, shard.id_start + shard.count, dtype=np.int64)
     ids = table[INDEX_ID].to_numpy()
     if len(table) != shard.count or not np.array_equal(ids, expected):
         report.problems.append(f"{shard.name}: Parquet has {len(table)} rows with index_id "
                                f"{ids[:1]}..{ids[-1:]}; manifest says {shard.count} from {shard.id_start}")
-    index = backend.deserialize(storage.read_bytes(storage.join(uri, *shard.index.path.split("/"))))
+    index = backend.deserialize(storage.read_bytes(IndexFolder(uri).file(shard.index.path)))
     if index.ntotal != shard.count or index.d != manifest.dim:
         report.problems.append(f"{shard.name}: index holds {index.ntotal} vectors of dim {index.d}; "
                                f"manifest says {shard.count} of dim {manifest.dim}")

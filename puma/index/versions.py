@@ -1,6 +1,7 @@
 """Index versions, one per model, and the alias that names the live one.
 
-An index location (``index.uri``, local path or s3://) holds::
+An index location (``index.uri``, local path or s3://; its paths are named in ``puma.index.layout``)
+holds::
 
     alias.json                  {"live": "<version>", "previous": "<version>", "history": [...]}
     versions/<version>/         one index (puma.index.manifest layout) per model:
@@ -28,13 +29,12 @@ from dataclasses import asdict, dataclass, field
 
 from puma import storage
 from puma.faults import fault_point
+from puma.index.layout import ALIAS_FILE, IndexLocation, folder_name
 from puma.index.manifest import Manifest, has_manifest, manifest_uri, now, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.verify import verify
 
 log = logging.getLogger(__name__)
-ALIAS_FILE = "alias.json"
-VERSIONS_DIR = "versions"
 HISTORY_KEPT = 100
 
 
@@ -73,11 +73,11 @@ def version_name(model_id: str) -> str:
 
 
 def version_uri(location: str, version: str) -> str:
-    return storage.join(location, VERSIONS_DIR, version)
+    return IndexLocation(location).version(version)
 
 
 def alias_uri(location: str) -> str:
-    return storage.join(location, ALIAS_FILE)
+    return IndexLocation(location).alias
 
 
 def read_alias(location: str) -> Alias | None:
@@ -102,7 +102,7 @@ def resolve(location: str) -> str:
     alias = read_alias(location)
     if alias is not None:
         return version_uri(location, alias.live)
-    if not has_manifest(location) and storage.list_dirs(storage.join(location, VERSIONS_DIR)):
+    if not has_manifest(location) and IndexLocation(location).version_folders():
         raise IndexInputError(f"index location {location} has versions but no live one yet "
                               f"(no {ALIAS_FILE}): "
                               f"promote one with `python jobs/index.py promote --version <name>` "
@@ -127,8 +127,8 @@ def list_versions(location: str) -> list[VersionInfo]:
     """Every version with a manifest, oldest first."""
     alias = read_alias(location)
     infos = []
-    for folder in storage.list_dirs(storage.join(location, VERSIONS_DIR)):
-        name = folder.rstrip("/").rsplit("/", 1)[-1]
+    for folder in IndexLocation(location).version_folders():
+        name = folder_name(folder)
         if not has_manifest(folder):
             continue
         m = read_manifest(folder)
@@ -214,8 +214,8 @@ def retain(location: str, keep: int) -> list[str]:
 
 def _unfinished(location: str, protected: set[str]) -> list[str]:
     """Version folders without a manifest that are neither live nor previous (a deletion cut short)."""
-    folders = storage.list_dirs(storage.join(location, VERSIONS_DIR))
-    return [f for f in folders if f.rstrip("/").rsplit("/", 1)[-1] not in protected and not has_manifest(f)]
+    folders = IndexLocation(location).version_folders()
+    return [f for f in folders if folder_name(f) not in protected and not has_manifest(f)]
 
 
 def _history(alias: Alias | None, action: str, version: str, model_id: str) -> list[dict]:
