@@ -58,10 +58,11 @@ from puma.config import load_config  # noqa: E402
 DATA = REPO.parent / "shared" / "data"
 PHOTO_GLOBS = ("flowers12-subset/*/*.jpg", "cub200-subset/CUB_200_2011/images/*/*.jpg")
 TARGET = 0.05  # the issue's bound on reconcile seconds / full seconds
-# the job's steps timed in each run: name -> the puma.inference.job attribute wrapped by a timer
-STEPS = {"listing": "list_catalogue", "index rows": "live_items", "plan": "plan",
-         "model check": "_check_model", "commits": "commit_changes", "compaction": "compact",
-         "settle": "settle_version"}
+# the job's steps timed in each run: name -> (the puma.inference module calling it, the attribute wrapped)
+STEPS = {"listing": ("planning", "list_catalogue"), "index rows": ("planning", "live_items"),
+         "plan": ("planning", "plan"), "model check": ("job", "check_model"),
+         "commits": ("commits", "commit_changes"), "compaction": ("commits", "compact"),
+         "settle": ("job", "settle_version")}
 FIRST_BATCH = "to first batch"  # from asking Ray Data for batches to the first embedded one (in a run)
 BREAKDOWN = (*STEPS, "pipeline", FIRST_BATCH)  # the table's step columns
 COUNTS = ("items", "embedded", "added", "changed", "removed", "restamped", "read_to_compare",
@@ -162,10 +163,12 @@ def describe_model(checkpoint: str) -> str:
 @contextlib.contextmanager
 def step_timer() -> Iterator[dict[str, float]]:
     """Seconds spent inside each of the job's STEPS while the block runs (wrappers, then restored)."""
-    from puma.inference import job
+    import importlib
 
     seconds = dict.fromkeys([*STEPS, FIRST_BATCH], 0.0)
-    originals = {attr: getattr(job, attr) for attr in STEPS.values()}
+    names = {module for module, _ in STEPS.values()} | {"running"}
+    modules = {name: importlib.import_module(f"puma.inference.{name}") for name in names}
+    originals = {where: getattr(modules[where[0]], where[1]) for where in STEPS.values()}
 
     def timed(name: str, fn):
         @functools.wraps(fn)
@@ -189,15 +192,17 @@ def step_timer() -> Iterator[dict[str, float]]:
                 yield from batches
         return wrapper
 
-    wrapped = {attr: timed(name, originals[attr]) for name, attr in STEPS.items()}
-    originals["_stream"], wrapped["_stream"] = job._stream, first_batch(job._stream)
-    for attr, fn in wrapped.items():
-        setattr(job, attr, fn)
+    wrapped = {where: timed(name, originals[where]) for name, where in STEPS.items()}
+    stream = ("running", "_stream")
+    originals[stream] = modules["running"]._stream
+    wrapped[stream] = first_batch(originals[stream])
+    for (module, attr), fn in wrapped.items():
+        setattr(modules[module], attr, fn)
     try:
         yield seconds
     finally:
-        for attr, fn in originals.items():
-            setattr(job, attr, fn)
+        for (module, attr), fn in originals.items():
+            setattr(modules[module], attr, fn)
 
 
 def timed_run(cfg, catalogue: Path) -> dict:

@@ -145,21 +145,21 @@ def wait_for_idle_cluster(timeout_s: float = 60.0) -> None:
 @contextlib.contextmanager
 def first_batch_time():
     """When the job's stream yields its first embedded batch, and its rows (a wrapper on
-    puma.inference.job._stream, this bench's only hook into the job)."""
-    import puma.inference.job as job
+    puma.inference.running._stream, this bench's only hook into the job)."""
+    import puma.inference.running as running
 
-    first, stream = {"at": float("nan"), "rows": 0}, job._stream
+    first, stream = {"at": float("nan"), "rows": 0}, running._stream
 
     def noted(*args, **kwargs):
         for batch in stream(*args, **kwargs):
             if not first["rows"]:
                 first["at"], first["rows"] = time.perf_counter(), len(batch["item_id"])
             yield batch
-    job._stream = noted
+    running._stream = noted
     try:
         yield first
     finally:
-        job._stream = stream
+        running._stream = stream
 
 
 def measure(runtime: str, args, root: Path, ckpt: str, model, cfg, files: list[Path]) -> dict:

@@ -34,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give --catalogue URI (repeatable) or --watch PREFIX, not both", file=sys.stderr)
         return 2
     from puma import storage
-    from puma.inference import resolve_checkpoint, watch
+    from puma.checkpoint import configured_checkpoint
+    from puma.inference import watch
     from puma.inference.job import embed_catalogues
 
-    storage.preflight(cfg.storage, inputs=[*args.catalogue, args.watch, resolve_checkpoint(cfg),
+    storage.preflight(cfg.storage, inputs=[*args.catalogue, args.watch, configured_checkpoint(cfg),
                                            cfg.embed.backbone_weights], outputs=[cfg.index.uri])
     reports = watch(cfg, args.watch) if args.watch else embed_catalogues(cfg, args.catalogue)
     for report in reports:

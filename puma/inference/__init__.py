@@ -4,7 +4,9 @@
 prefix, or a table) into the index with a checkpoint: new and changed items embedded (a Ray Data
 actor pool, or in process for a few), removed ones taken out (``puma.inference.reconcile`` plans
 it); ``embed_catalogues`` / ``watch(cfg, prefix)`` do it for several, building a new model's
-version for every live catalogue. See ``puma.inference.job``.
+version for every live catalogue. See ``puma.inference.job``, and its rooms: ``run`` (a run's state
+and report), ``planning`` (what to embed), ``running`` (in process or Ray Data), ``commits``,
+``rejects`` and ``versions`` (promotion, catalogue removal).
 ``run_search`` (``puma.inference.search``, what jobs/search.py runs) searches the index by stored
 vectors, item ids or query images embedded in-process (``puma.inference.query``) and draws
 retrieval grids (``puma.inference.grid``).
@@ -20,9 +22,9 @@ import importlib
 _EXPORTS = {
     "CatalogueError": "catalogue", "catalogue_refs": "catalogue", "list_catalogues": "catalogue",
     "Embedder": "embedder",
-    "EmbedReport": "job", "checkpoint_id": "job", "embed_catalogue": "job", "embed_catalogues": "job",
-    "rejects_uri": "job", "remove_catalogue": "job", "resolve_checkpoint": "job", "settle_version": "job",
-    "watch": "job", "Plan": "reconcile", "plan": "reconcile",
+    "checkpoint_id": "job", "embed_catalogue": "job", "embed_catalogues": "job", "resolve_checkpoint": "job",
+    "watch": "job", "Plan": "reconcile", "plan": "reconcile", "rejects_uri": "rejects",
+    "EmbedReport": "run", "remove_catalogue": "versions", "settle_version": "versions",
     "SearchOutcome": "search", "run_search": "search",
 }
 __all__ = sorted(_EXPORTS)

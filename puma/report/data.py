@@ -27,13 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from puma import console, storage
-from puma.checkpoint import checkpoint_id, has_checkpoint, newest_complete, read_meta, resolve_checkpoint
+from puma.checkpoint import (
+    checkpoint_id,
+    configured_checkpoint,
+    has_checkpoint,
+    newest_complete,
+    read_meta,
+    resolve_checkpoint,
+)
 from puma.config import Config
 from puma.errors import UserError
 from puma.eval.index_eval import run_evaluation
 from puma.index.manifest import read_manifest
 from puma.index.versions import live_manifest, resolve
-from puma.inference.job import resolve_checkpoint as default_checkpoint
 from puma.run_folder import RunFolder
 
 KEEP_PROB = "model.adapter.keep_prob"  # the sweep column the keep-probability curve plots
@@ -97,7 +103,7 @@ class Evaluation:
 
 def find_checkpoint(cfg: Config, checkpoint: str, run: str) -> str:
     """The checkpoint version folder to report on (``checkpoint``, embed.checkpoint, else <run>/best)."""
-    uri = default_checkpoint(cfg, checkpoint or None)
+    uri = configured_checkpoint(cfg, checkpoint or None)
     if has_checkpoint(uri):
         return resolve_checkpoint(uri)
     if checkpoint or cfg.embed.checkpoint:

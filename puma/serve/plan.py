@@ -90,9 +90,9 @@ def check_model(cfg: Config, manifest: Manifest) -> tuple[str, ViewSpec]:
     """(checkpoint URI, its eval view) for the index's model; else ServiceSetupError. A checkpoint
     given as embed.checkpoint must be that model; without one, the run's best when it is that model,
     else the checkpoint the manifest records (e.g. a newer version's model)."""
-    from puma.inference.job import resolve_checkpoint
+    from puma.checkpoint import configured_checkpoint
 
-    configured = resolve_checkpoint(cfg)
+    configured = configured_checkpoint(cfg)
     try:
         return _checked_model(cfg, manifest, configured)
     except ServiceSetupError:

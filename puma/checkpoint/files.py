@@ -1,4 +1,4 @@
-"""Checkpoints: a directory (local or s3://) that describes itself and never needs unpickling.
+"""A checkpoint's files: written with their checksums, read back and checked, never unpickled.
 
 Layout::
 
@@ -12,27 +12,21 @@ Layout::
                            (meta.json's presence alone proves nothing: Ray Train uploads a reported
                            checkpoint's files to storage in no set order)
 
-A run's best checkpoint (``<run>/best``) is replaced atomically on local paths and S3 alike: each
-new best is written to a version folder ``best/<version>/`` and then ``best/current.json`` (one
-object, written in one put or rename) is switched to name it; readers resolve the pointer
-(:func:`resolve_checkpoint`), so ``<run>/best`` always reads as one complete checkpoint, the old
-or the new. A ``best/`` without a pointer (written before versions existed) is read as before.
+Every reader follows a best/ pointer first (:func:`resolve_checkpoint`; puma.checkpoint.runs writes it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError
 
 from puma import library_versions, storage
-from puma.config import Config, dump_yaml, from_dict, to_dict
+from puma.config import Config, dump_yaml, from_dict
 from puma.errors import UserError
-from puma.run_folder import BEST_POINTER, RunFolder, folder_name
+from puma.run_folder import BEST_POINTER
 
 if TYPE_CHECKING:  # torch is imported where tensors are made or read: a job that needs only a checkpoint's
     import torch  # config and model id (a catalogue run with nothing to embed) does not pay for it
@@ -264,198 +258,3 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], layout: dict) ->
     for pid, values in layout.get("scalars", {}).items():
         state.setdefault(int(pid), {}).update(values)
     return {"state": state, "param_groups": layout["param_groups"]}
-
-
-def load_trainable(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str = "") -> None:
-    """Load trainable weights into ``model``; every trainable tensor must be present and match."""
-    from puma.models.trainable import trainable_state_dict
-
-    expected = trainable_state_dict(model)
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(model.state_dict()))
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {source} does not match the model built from its config: "
-                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                              f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    model.load_state_dict(weights, strict=False)
-
-
-PROBE_SEED, PROBE_BATCH = 1234, 2
-
-
-def probe_images(img_size: int) -> torch.Tensor:
-    """A fixed batch (2, 3, H, W) whose embeddings are stored with a checkpoint as its fingerprint."""
-    import torch
-
-    gen = torch.Generator().manual_seed(PROBE_SEED)
-    return torch.randn(PROBE_BATCH, 3, img_size, img_size, generator=gen)
-
-
-def probe_embeddings(model: torch.nn.Module, img_size: int) -> list[list[float]]:
-    """The eval-mode embeddings of :func:`probe_images` (restores the model's train/eval mode)."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model(probe_images(img_size).to(device)).float().cpu()
-    model.train(was_training)
-    return out.tolist()
-
-
-def verify_probe(model: torch.nn.Module, meta: dict, img_size: int, source: str, atol: float = 1e-4) -> None:
-    """Check that a reloaded model reproduces the embeddings stored at save time."""
-    import torch
-
-    if "probe" not in meta:
-        return
-    expected = torch.tensor(meta["probe"])
-    actual = torch.tensor(probe_embeddings(model, img_size))
-    diff = float((expected - actual).abs().max())
-    if diff > atol:
-        backbone = meta.get("backbone_weights", "?")
-        cause = (f"the frozen backbone weights ({backbone}) differ from the ones it was trained on; point "
-                 "model.backbone.weights (embed.backbone_weights) at those" if "files" in meta else
-                 f"either the frozen backbone weights ({backbone}) differ from the ones it was trained on, "
-                 f"or its own {MODEL_FILE} was changed (this checkpoint predates file checksums)")
-        raise CheckpointError(f"checkpoint {source} does not reproduce its embeddings (max diff {diff:.2e} > "
-                              f"{atol:.0e}): {cause}")
-
-
-def load_model(uri: str, backbone_weights: str | None = None,
-               verify: bool = True) -> tuple[torch.nn.Module, Config]:
-    """Rebuild the model from a checkpoint's config and load its trainable weights (eval mode).
-
-    ``backbone_weights`` overrides where the frozen backbone comes from (e.g. a local copy); with
-    ``verify`` the model must reproduce the probe embeddings saved with the checkpoint.
-    """
-    from puma.methods import build_model  # the method registry (torch, timm, every method): on first use
-
-    state = read_checkpoint(uri)
-    if backbone_weights:
-        state.config.model.backbone.weights = backbone_weights
-    model = build_model(state.config.model)
-    load_trainable(model, state.model, source=uri)
-    model.eval()
-    if verify:
-        verify_probe(model, state.meta, state.config.model.backbone.img_size, uri)
-    return model, state.config
-
-
-def checkpoint_id(uri: str, state: CheckpointState | None = None) -> str:
-    """The model id an index records: ``sha256:`` of the trainable weights (model.safetensors), the
-    model config (the backbone weights' location left out) and the probe embeddings (which
-    fingerprint the frozen backbone); a copy of a checkpoint keeps its id.
-
-    The model config is the one config.yaml recorded, not the typed config rebuilt from it, so
-    config fields added to the code later (filled with their defaults on reading) leave the id of
-    an older checkpoint, and every index built with it, unchanged."""
-    import yaml
-
-    uri = resolve_checkpoint(uri)
-    state = state or read_checkpoint(uri, weights=False)
-    recorded = yaml.safe_load(storage.read_text(storage.join(uri, CONFIG_FILE))) or {}
-    model_cfg = recorded.get("model") or to_dict(state.config.model)
-    model_cfg.get("backbone", {}).pop("weights", None)
-    digest = hashlib.sha256(storage.read_bytes(storage.join(uri, MODEL_FILE)))
-    digest.update(json.dumps(model_cfg, sort_keys=True).encode())
-    digest.update(json.dumps(state.meta.get("probe"), sort_keys=True).encode())
-    return "sha256:" + digest.hexdigest()
-
-
-def best_record(best_uri: str, metric: str) -> dict[str, Any] | None:
-    """What best/ holds, as ``{"checkpoint", "epoch", "value"}`` (``value``: its ``metric``, None when it
-    has none); None when there is no best checkpoint yet."""
-    if not has_checkpoint(best_uri):
-        return None
-    meta = read_meta(best_uri)
-    value = meta.get("metrics", {}).get(metric)
-    return {"checkpoint": resolve_checkpoint(best_uri), "epoch": meta.get("epoch"),
-            "value": None if value is None else float(value)}
-
-
-def publish_best(best_uri: str, state: CheckpointState, label: str) -> str:
-    """Make ``state`` (less its optimiser state) the best checkpoint atomically: write the version folder
-    ``<label>_<random>``,
-    switch best/current.json to it (one put or rename), then remove all but it and the previous one.
-
-    A crash at any moment leaves best/ reading as the old or the new checkpoint, each complete.
-    """
-    previous = _pointer_target(best_uri)
-    version = f"{label}_{secrets.token_hex(4)}"
-    state = CheckpointState(config=state.config, model=state.model, loss=state.loss, meta=state.meta)
-    save_checkpoint(storage.join(best_uri, version), state)
-    record = {"checkpoint": version, "epoch": state.meta.get("epoch"), "previous": previous}
-    storage.write_text(storage.join(best_uri, BEST_POINTER), json.dumps(record, indent=2, sort_keys=True))
-    _remove_stale_versions(best_uri, keep={version, previous})
-    return storage.join(best_uri, version)
-
-
-def _pointer_target(best_uri: str) -> str | None:
-    pointer = storage.join(best_uri, BEST_POINTER)
-    return json.loads(storage.read_text(pointer))["checkpoint"] if storage.exists(pointer) else None
-
-
-def _remove_stale_versions(best_uri: str, keep: set[str | None]) -> None:
-    """Versions other than ``keep``, and files of the pre-pointer layout, once the pointer has moved on.
-
-    The previous version stays, so a reader that resolved the pointer just before the switch can
-    still read it.
-    """
-    for uri in storage.list_dirs(best_uri):
-        if folder_name(uri) not in keep:
-            storage.delete(uri)
-    for uri in storage.list_files(best_uri, recursive=False):
-        if folder_name(uri) != BEST_POINTER:
-            storage.delete(uri)
-
-
-def best_checkpoint_uri(cfg: Config) -> str:
-    """Where training keeps its best checkpoint: <train.storage_path>/<train.run_name>/best."""
-    return RunFolder.of(cfg).best
-
-
-# ----------------------------------------------------------------------------- a run's checkpoints
-
-
-@dataclass
-class Found:
-    """A checkpoint folder in a run folder."""
-
-    name: str
-    uri: str
-    epoch: int | None  # from its meta.json; None when meta.json is missing or unreadable
-    attempt: int  # the attempt that wrote it (0: unknown, written before attempts were counted)
-    registered: bool  # Ray Train's snapshot names it: only Ray may remove it
-
-
-def scan_run(run_uri: str, registered: set[str] = frozenset()) -> list[Found]:
-    """Every checkpoint folder of the run, newest first (by epoch, then attempt, then name)."""
-    found = []
-    for uri in RunFolder(run_uri).checkpoint_folders():
-        name = folder_name(uri)
-        try:
-            meta = read_meta(uri)
-            epoch, attempt = int(meta["epoch"]), int(meta.get("run_state", {}).get("attempt", 0))
-        except (CheckpointError, KeyError, TypeError, ValueError):
-            epoch, attempt = None, 0
-        found.append(Found(name, uri, epoch, attempt, name in registered))
-    return sorted(found, key=lambda f: (-1 if f.epoch is None else f.epoch, f.attempt, f.name), reverse=True)
-
-
-def complete_folders(run_uri: str):
-    """The run's checkpoint folders whose files all match their checksums, newest first (no probe check)."""
-    for folder in scan_run(run_uri):
-        if folder.epoch is None:
-            continue
-        try:
-            read_checkpoint(folder.uri, with_optimizer=True)
-        except CheckpointError:
-            continue
-        yield folder
-
-
-def newest_complete(run_uri: str) -> Found | None:
-    """The newest checkpoint folder of the run whose files all match their checksums (no probe check)."""
-    return next(complete_folders(run_uri), None)
