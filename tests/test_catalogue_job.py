@@ -225,6 +225,31 @@ def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_c
     assert {r["class_name"] for r in results} <= set(CLASSES) and all(r["dataset"] == "shop" for r in results)
 
 
+def test_an_item_id_another_catalogue_indexed_is_a_reject_of_the_second(ray_cluster, checkpoint, tmp_path):
+    """Two table catalogues list the same item id: the second one's row is rejected (duplicate_item_id,
+    naming the catalogue that holds it), its other rows are embedded, and the first one's item stays."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for p in photos("daisy")[70:75]:
+        shutil.copy(p, images / p.name)
+    names = [p.name for p in photos("daisy")[70:75]]
+    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
+    write_table(first, [{"item_id": f"sku-{i}", "image_uri": f"images/{n}", "label": "daisy", "price": "1"}
+                        for i, n in enumerate(names[:3])])
+    write_table(second, [{"item_id": f"sku-{i}", "image_uri": f"images/{n}", "label": "daisy", "price": "2"}
+                         for i, n in zip((2, 3, 4), names[2:], strict=True)])
+    cfg = cfg_for(tmp_path, checkpoint)
+    assert embed_catalogue(cfg, str(first)).total == 3
+    report = embed_catalogue(cfg, str(second))
+    assert (report.added, report.total, report.rejected) == (2, 5, 1)
+    (reject,) = read_rejects(report.rejects_uri)
+    assert (reject["item_id"], reject["reason"]) == ("sku-2", "duplicate_item_id")
+    assert str(first) in reject["detail"]
+    live = LiveIndex(IndexConfig(uri=resolve(str(tmp_path / "index")), use_gpu=False), None,
+                     read_manifest(resolve(str(tmp_path / "index"))).dim)
+    assert live.search_item("sku-2", 1, include_self=True)[0]["metadata"] == {"price": "1"}
+
+
 def test_a_new_model_builds_its_version_for_every_live_catalogue_then_goes_live(ray_cluster, checkpoint,
                                                                               tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"

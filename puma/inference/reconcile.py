@@ -269,7 +269,7 @@ def _taken_rejects(refs: pa.Table, taken: np.ndarray, keys: pa.Table, row: np.nd
                               detail=f"item id already indexed from catalogue {where}").to_dict())
     log.warning("catalogue %s: %d item id(s) are indexed from other catalogues; rejected", catalogue,
                 len(rejects))
-    return refs.filter(pc.invert(taken)), rejects
+    return rejects
 
 
 def _equal(a: pa.ChunkedArray, b: pa.ChunkedArray) -> np.ndarray:
