@@ -31,12 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     from puma import storage
-    from puma.eval.index_eval import EVALUATION_FILE, metrics_table, run_evaluation
+    from puma.eval.index_eval import metrics_table, run_evaluation
+    from puma.index.layout import IndexFolder
     from puma.index.versions import live_manifest
 
     uri = args.index or cfg.index.uri
     storage.preflight(cfg.storage, outputs=[uri, args.out, cfg.data.uri])  # buckets, credentials
-    out = args.out or storage.join(uri, EVALUATION_FILE)
+    out = args.out or IndexFolder(uri).evaluation
     if args.embed or live_manifest(uri) is None:
         uri = embed_test_split(cfg, uri, args.checkpoint)  # the checkpoint's version: it is what to evaluate
     metrics, out_uri = run_evaluation(uri, cfg.index, cfg.eval.ks, out, cfg.eval.query_chunk)

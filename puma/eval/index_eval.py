@@ -33,13 +33,13 @@ from puma import library_versions, storage
 from puma.config import IndexConfig
 from puma.eval.knn import RetrievalInputError
 from puma.eval.metrics import NeighbourSearch, evaluate_protocol
+from puma.index.layout import IndexFolder
 from puma.index.manifest import LIBRARIES
 from puma.index.search import ShardedIndex, drop_self
 from puma.index.table import DATASET, EMBEDDING, INDEX_ID, ITEM_ID, LABEL, NO_LABEL, ROLE, embedding_matrix
 
 log = logging.getLogger(__name__)
 EVAL_COLUMNS = [INDEX_ID, ITEM_ID, EMBEDDING, DATASET, LABEL, ROLE]
-EVALUATION_FILE = "evaluation.json"  # written into the index folder unless another place is given
 NOT_SELF = -2  # own id of a query that is not in the gallery (never equals an id; -1 means "none")
 
 
@@ -143,6 +143,6 @@ def run_evaluation(uri: str, cfg: IndexConfig, ks: Sequence[int], out_uri: str =
               "items": index.ntotal, "shards": len(manifest.shards), "index_updated": manifest.updated,
               "evaluated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "versions": library_versions(LIBRARIES)}
-    out_uri = out_uri or storage.join(uri, EVALUATION_FILE)
+    out_uri = out_uri or IndexFolder(uri).evaluation  # the index folder, unless another place is given
     storage.write_text(out_uri, json.dumps(record, indent=2, sort_keys=True))
     return metrics, out_uri

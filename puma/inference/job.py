@@ -60,11 +60,12 @@ from puma.config import Config
 from puma.data.rejects import read_rejects, reject_counts
 from puma.errors import UserError
 from puma.index import read_manifest
+from puma.index.layout import REJECTS_DIR
 from puma.index.manifest import has_manifest
 from puma.inference.catalogue import catalogue_name, list_catalogues
 from puma.inference.commits import final_commit
 from puma.inference.planning import what_to_embed
-from puma.inference.rejects import REJECTS_DIR, rejects_uri
+from puma.inference.rejects import rejects_uri
 from puma.inference.run import EmbedReport, Run, check_model, job_config, prepare_run, report_dict
 from puma.inference.running import embed_todo
 from puma.inference.versions import live_catalogues_for, remove_catalogue, settle_version

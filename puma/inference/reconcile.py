@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 from puma import storage
 from puma.data.columns import find_rows, take_rows
 from puma.data.rejects import Reject
+from puma.index.layout import IndexFolder
 from puma.index.manifest import Manifest, ShardEntry, live_rows
 from puma.index.table import (
     CATALOGUE,
@@ -309,4 +310,4 @@ def _restamp_source(refs: pa.Table, index_id: np.ndarray, restamp: np.ndarray) -
 
 
 def _embeddings(uri: str, shard: ShardEntry) -> str:
-    return storage.join(uri, *shard.embeddings.path.split("/"))
+    return IndexFolder(uri).file(shard.embeddings.path)

@@ -22,16 +22,16 @@ from puma import storage
 from puma.data.columns import take_rows
 from puma.data.manifest import load_manifest
 from puma.data.rejects import read_rejects, write_rejects
+from puma.index.layout import IndexLocation
 from puma.index.table import ITEM_ID, STAMP
 from puma.inference.catalogue import SPLITS, catalogue_name, is_prepared, without
 
 log = logging.getLogger(__name__)
-REJECTS_DIR = "rejects"
 
 
 def rejects_uri(index_uri: str, catalogue: str) -> str:
-    """Where a catalogue's rejects are listed."""
-    return storage.join(index_uri, REJECTS_DIR, f"{catalogue_name(catalogue)}.jsonl")
+    """Where a catalogue's rejects are listed (puma.index.layout)."""
+    return IndexLocation(index_uri).rejects(catalogue_name(catalogue))
 
 
 def add_rejects(uri: str, rows: list[dict]) -> None:
