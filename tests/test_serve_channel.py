@@ -22,7 +22,9 @@ from puma.config import IndexConfig, load_config
 from puma.index import add_items, build_index
 from puma.serve.app import IndexPartition, PartitionedIndex, deployment_options
 from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
-from puma.serve.channel import LENGTH, ChannelError, ChannelServer, Connection, pack, read_frame
+from puma.serve.channel import LENGTH, ChannelError, pack, read_frame
+from puma.serve.channel_client import Connection
+from puma.serve.channel_server import ChannelServer
 from puma.serve.errors import RequestError
 from puma.serve.live_index import LiveIndex
 from puma.serve.partitions import Partition

@@ -63,7 +63,9 @@ from puma.index.manifest import read_manifest
 from puma.index.versions import read_alias, version_uri
 from puma.inference.embedder import Embedder, use_storage
 from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
-from puma.serve.channel import ChannelError, ChannelServer, PartitionClient
+from puma.serve.channel import ChannelError
+from puma.serve.channel_client import PartitionClient
+from puma.serve.channel_server import ChannelServer
 from puma.serve.errors import RequestError, as_request_error
 from puma.serve.live_index import ServedIndexes
 from puma.serve.metrics import IndexMetrics, ModelMetrics, ServiceMetrics
