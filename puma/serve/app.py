@@ -67,11 +67,11 @@ from puma.serve.channel import ChannelError
 from puma.serve.channel_client import PartitionClient
 from puma.serve.channel_server import ChannelServer
 from puma.serve.errors import RequestError, as_request_error
-from puma.serve.live_index import ServedIndexes
 from puma.serve.metrics import IndexMetrics, ModelMetrics, ServiceMetrics
 from puma.serve.partitions import FanOut, Partition
 from puma.serve.plan import ServicePlan, plan_service
 from puma.serve.requests import Limits, SearchRequest, image_view, media_type, parse_request
+from puma.serve.versions import ServedIndexes
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="PUMA search", docs_url=None, redoc_url=None, openapi_url=None)
