@@ -4,7 +4,7 @@ gives a clean 503 at once (or after serve.partition_timeout_s when it hangs), an
 is found at its new address; each replica's channel load reaches Serve's autoscaling policy.
 
 Ray-free: real IndexPartition objects (the deployment's class, its channel in a thread) over real
-shards and TCP; the ingress side is puma.serve.app.PartitionedIndex with its ``learn`` pointed at
+shards and TCP; the ingress side is puma.serve.fanout.PartitionedIndex with its ``learn`` pointed at
 the partitions themselves instead of Serve's broadcast through the deployment handles.
 """
 

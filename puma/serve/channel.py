@@ -1,5 +1,5 @@
 """The index partitions' direct channel: the ingress asks them for ``search_part`` and ``vector_of``
-over TCP of its own instead of through Ray calls (puma.serve.app.PartitionedIndex).
+over TCP of its own instead of through Ray calls (puma.serve.fanout.PartitionedIndex).
 
 Why: a query fans out to every partition, and on a Ray call the time goes to the machinery, not the
 search. Timed from inside a replica (2 cores, Ray 2.60, no-op methods, p50): a call through a
@@ -46,7 +46,6 @@ NDARRAY = 1  # msgpack extension code of a numpy array
 class ChannelError(ConnectionError):
     """A partition replica that cannot answer over its channel now: refused, broken, gone, or it refused
     the token."""
-
 
 
 # ----------------------------------------------------------------------------- frames

@@ -1,6 +1,6 @@
 """The ingress's side of the direct channel (puma.serve.channel): a PartitionClient per partition
-(puma.serve.app.PartitionedIndex), holding a Connection to each of the partition's replicas, with
-several requests in flight on each, matched to their answers by id.
+(puma.serve.fanout), holding a Connection to each of the partition's replicas, with several requests
+in flight on each, matched to their answers by id.
 """
 
 from __future__ import annotations

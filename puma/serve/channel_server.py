@@ -1,5 +1,5 @@
 """The partition's side of the direct channel (puma.serve.channel): an asyncio server in a thread of
-the IndexPartition replica (puma.serve.app), on its node's IP and an ephemeral port. It admits
+the IndexPartition replica (puma.serve.holders), on its node's IP and an ephemeral port. It admits
 clients holding the app's token and answers their requests from a pool of worker threads, the
 waiting calls of a method with a batched form in one go (e.g. one FAISS search for many queries).
 """

@@ -2,7 +2,7 @@
 metadata (puma.serve.selection), its hits described from the stored columns, and kept current as
 embedding jobs commit.
 
-No Ray here: an index replica (puma.serve.app) holds one ServedIndexes (puma.serve.versions: the
+No Ray here: an index replica (puma.serve.holders) holds one ServedIndexes (puma.serve.versions: the
 versions the location's alias names) and refreshes it on a timer. Each version is a ``LiveIndex``: a
 refresh reads its manifest (one small file); when it changed, only the shards that are new or whose
 removals changed are loaded (``ShardedIndex.refreshed``) and the new state replaces the old in one

@@ -1,9 +1,14 @@
-"""Which version of the index location a replica serves: the location's alias names the live version
-(model and index, puma.index.versions), and the replica follows it from one version to the next
-without a restart.
+"""Which version of the index location answers: the location's alias names the live version (model and
+index, puma.index.versions), and the service follows it from one version to the next without a restart.
 
-``ServedIndexes`` holds the live version's LiveIndex, and the one before it while requests that started
-on it finish (dropped after serve.version_grace_s). No Ray here.
+    ServedIndexes   in each replica holding shards: the live version's LiveIndex, and the one before it
+                    while requests that started on it finish (dropped after serve.version_grace_s)
+    AliasFollower   in the ingress: the version new requests are pinned to (``Pinned``), moved to the
+                    alias's once the model and index deployments have loaded it, so a query is always
+                    embedded and searched by one model
+
+No Ray here: the follower calls the deployments it is given (QueryModel.prepare through its handle,
+the index holder's ``prepare``).
 """
 
 from __future__ import annotations
@@ -12,15 +17,71 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from puma.config import IndexConfig
-from puma.index.manifest import has_manifest
+from puma.data.images import ViewSpec
+from puma.index.manifest import has_manifest, read_manifest
 from puma.index.versions import read_alias, version_uri
+from puma.inference.embedder import use_storage
 from puma.serve.errors import RequestError
 from puma.serve.live_index import LiveIndex
 from puma.serve.partitions import Partition
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """What one request is answered by: a version of the location, its model id and checkpoint."""
+
+    version: str
+    model_id: str
+    checkpoint: str
+    view: ViewSpec | None
+
+
+class AliasFollower:
+    """The version the ingress pins new requests to (``pinned``): every ``interval`` s a thread reads the
+    location's alias and, when it names a new version, has ``model`` (a QueryModel handle, or None) and
+    ``index`` (LocalIndex or PartitionedIndex) load it before pinning to it; ``on_switch(version,
+    model_id)`` is told each switch. A location without versions (``pinned.version`` '') is not followed."""
+
+    def __init__(self, pinned: Pinned, location: str, model, index, storage_cfg=None,
+                 interval: float = 10.0, on_switch=None) -> None:
+        self.pinned, self.location = pinned, location
+        self.model, self.index, self.on_switch = model, index, on_switch
+        self._stop = threading.Event()
+        if pinned.version:  # a location with versions: follow its alias
+            use_storage(storage_cfg)
+            threading.Thread(target=self._follow, args=(interval,), name="alias", daemon=True).start()
+
+    def _follow(self, interval: float) -> None:
+        """Pin new requests to the alias's version once the model and index deployments have loaded it."""
+        while not self._stop.wait(interval):
+            try:
+                alias = read_alias(self.location)
+                if alias is not None and alias.live != self.pinned.version:
+                    self.pinned = self._prepare(alias.live)
+                    if self.on_switch is not None:
+                        self.on_switch(self.pinned.version, self.pinned.model_id)
+                    log.info("answering with version %s (model %s)", self.pinned.version,
+                             self.pinned.model_id)
+            except Exception:  # noqa: BLE001 - keep answering with the pinned version; retry next tick
+                log.exception("following the alias of %s failed; still answering with version %s",
+                              self.location, self.pinned.version)
+
+    def _prepare(self, version: str) -> Pinned:
+        """Load ``version`` in the model and index deployments (blocking); what requests pinned to it use."""
+        manifest = read_manifest(version_uri(self.location, version))
+        view = None
+        if self.model is not None:
+            view = self.model.prepare.remote(manifest.checkpoint).result()
+        self.index.prepare(version)
+        return Pinned(version, manifest.model_id, manifest.checkpoint, view)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class ServedIndexes:
