@@ -454,7 +454,7 @@ def _version(location: Path, name: str, model_id: str, names: list[str], seed: i
 
 def test_served_indexes_follow_the_alias_and_drop_the_old_version_once_no_request_holds_it(tmp_path):
     from puma.index.versions import promote, rollback
-    from puma.serve.live_index import ServedIndexes
+    from puma.serve.versions import ServedIndexes
 
     location = tmp_path / "loc"
     xa = _version(location, "m-a", "sha256:a", ["a/1", "a/2", "a/3"], seed=1)

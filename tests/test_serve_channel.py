@@ -4,7 +4,7 @@ gives a clean 503 at once (or after serve.partition_timeout_s when it hangs), an
 is found at its new address; each replica's channel load reaches Serve's autoscaling policy.
 
 Ray-free: real IndexPartition objects (the deployment's class, its channel in a thread) over real
-shards and TCP; the ingress side is puma.serve.app.PartitionedIndex with its ``learn`` pointed at
+shards and TCP; the ingress side is puma.serve.fanout.PartitionedIndex with its ``learn`` pointed at
 the partitions themselves instead of Serve's broadcast through the deployment handles.
 """
 
@@ -22,7 +22,9 @@ from puma.config import IndexConfig, load_config
 from puma.index import add_items, build_index
 from puma.serve.app import IndexPartition, PartitionedIndex, deployment_options
 from puma.serve.autoscale import CHANNEL_ONGOING, partition_replicas
-from puma.serve.channel import LENGTH, ChannelError, ChannelServer, Connection, pack, read_frame
+from puma.serve.channel import LENGTH, ChannelError, pack, read_frame
+from puma.serve.channel_client import Connection
+from puma.serve.channel_server import ChannelServer
 from puma.serve.errors import RequestError
 from puma.serve.live_index import LiveIndex
 from puma.serve.partitions import Partition

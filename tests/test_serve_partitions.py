@@ -3,7 +3,7 @@ query exactly as one index holding them all (hits, scores, ranks, filters, item 
 doing so as shards are added and items removed, and the plan sizes the partition count.
 
 Ray-free: the partitions are LiveIndexes in this process, merged by the same FanOut code the
-ingress runs over deployment handles (puma.serve.app.PartitionedIndex).
+ingress runs over deployment handles (puma.serve.fanout.PartitionedIndex).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from puma.config import IndexConfig
 from puma.index import add_items, build_index, read_manifest
 from puma.index.build import commit_changes
 from puma.serve.errors import RequestError
+from puma.serve.fanout import FanOut
 from puma.serve.live_index import LiveIndex
-from puma.serve.partitions import FanOut, Partition, partitions_for, shard_number
+from puma.serve.partitions import Partition, partitions_for, shard_number
 
 DIM, SHARD = 16, 60
 DATASETS, CATALOGUES = ("cub", "cars", "sop"), ("s3://b/shop_a", "s3://b/shop_b")

@@ -1,14 +1,12 @@
-"""The index as the service sees it: searched by vector or item id, filtered by dataset or catalogue,
-its hits described from the stored columns, kept current as embedding jobs commit, and following
-the location's alias from one version (model) to the next.
+"""The index as the service sees it: searched by vector or item id, filtered by dataset, catalogue or
+metadata (puma.serve.selection), its hits described from the stored columns, and kept current as
+embedding jobs commit.
 
-No Ray here: the index deployment (puma.serve.app) holds one ServedIndexes per replica and calls
-``refresh`` on a timer. ``ServedIndexes`` reads the alias (puma.index.versions): a new live
-version is loaded beside the old one, which is dropped once no request holds it and
-serve.version_grace_s has passed. Each version is a ``LiveIndex``: a refresh reads its manifest
-(one small file); when it changed, only the shards that are new or whose removals changed are
-loaded (``ShardedIndex.refreshed``) and the new state replaces the old in one assignment, so a
-request in flight finishes on the state it started with.
+No Ray here: an index replica (puma.serve.holders) holds one ServedIndexes (puma.serve.versions: the
+versions the location's alias names) and refreshes it on a timer. Each version is a ``LiveIndex``: a
+refresh reads its manifest (one small file); when it changed, only the shards that are new or whose
+removals changed are loaded (``ShardedIndex.refreshed``) and the new state replaces the old in one
+assignment, so a request in flight finishes on the state it started with.
 
 Hits carry item_id, score, dataset, label, class_name, catalogue, image_uri, image_row and the
 item's metadata (a catalogue table's other columns), in rank order.
@@ -31,19 +29,17 @@ import json
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from PIL import Image
 
 from puma.config import IndexConfig
 from puma.data.images import ImageRejected, decode_image
 from puma.index.cache import LocalCache
-from puma.index.filters import Filter, FilterError
-from puma.index.manifest import Manifest, has_manifest, read_manifest
+from puma.index.filters import Filter
+from puma.index.manifest import Manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import Holding, Selection, ShardedIndex, drop_self
 from puma.index.table import (
@@ -57,12 +53,19 @@ from puma.index.table import (
     LABEL,
     METADATA,
 )
-from puma.index.versions import read_alias, version_uri
-from puma.inference.catalogue import catalogue_name
 from puma.inference.embedder import read_image_bytes
 from puma.serve.errors import RequestError
 from puma.serve.partitions import ORDER, Partition, index_bytes
 from puma.serve.requests import filter_option
+from puma.serve.selection import (
+    catalogue_mask,
+    catalogue_names,
+    catalogue_short_name,
+    column_mask,
+    filter_mask,
+    live_counts,
+    named_filters,
+)
 
 log = logging.getLogger(__name__)
 HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CLASS_NAME, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA]
@@ -182,7 +185,7 @@ class LiveIndex:
         state = self.state
         if state.index is None or not state.items:
             columns = sorted(where.columns()) if where is not None else []
-            return {"hits": [], "items": 0, "unknown": _named(datasets, catalogues, columns)}
+            return {"hits": [], "items": 0, "unknown": named_filters(datasets, catalogues, columns)}
         allowed, unknown = self._allowed(state, datasets, catalogues, filter_option(where), strict=False)
         scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
         return _part_answer(state, scores[0], ids[0], unknown)
@@ -271,22 +274,22 @@ class LiveIndex:
                 state.selections.clear()
                 state.selection_bytes = 0
             live = state.index.live
-            by_dataset, unknown_datasets = _mask(state.index, DATASET, datasets, live)
-            by_catalogue, unknown_catalogues = _catalogue_mask(state.index, catalogues, live)
-            by_filter, unknown_columns = _filter_mask(state.index, where, strict)
+            by_dataset, unknown_datasets = column_mask(state.index, DATASET, datasets, live)
+            by_catalogue, unknown_catalogues = catalogue_mask(state.index, catalogues, live)
+            by_filter, unknown_columns = filter_mask(state.index, where, strict)
             masks = [m for m in (by_dataset, by_catalogue, by_filter) if m is not None]
             chosen = self._held(state, state.index.select(functools.reduce(np.logical_and, masks, live)))
             state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
         chosen, unknown_datasets, unknown_catalogues, unknown_columns = state.selections[key]
         if strict and unknown_datasets:
-            present = _live_counts(state.index, DATASET)
+            present = live_counts(state.index, DATASET)
             raise RequestError(422, f"unknown dataset(s) {unknown_datasets}; this index has "
                                     f"{sorted(present)[:20]}")
         if strict and unknown_catalogues:
-            present = _catalogue_names(state.index)
+            present = catalogue_names(state.index)
             raise RequestError(422, f"unknown catalogue(s) {unknown_catalogues}; this index has "
                                     f"{sorted(present)[:20]}")
-        return chosen, _named(unknown_datasets, unknown_catalogues, unknown_columns)
+        return chosen, named_filters(unknown_datasets, unknown_catalogues, unknown_columns)
 
     def _held(self, state: State, chosen: Selection) -> Selection:
         """A selection scanned exactly, with its rows' embeddings gathered now (its first scan would
@@ -324,104 +327,19 @@ class LiveIndex:
     def stats(self) -> dict:
         """Items, shards, datasets and catalogues with their counts, the model id, freshness."""
         state, manifest = self.state, self.state.manifest
-        datasets = {} if state.index is None else _live_counts(state.index, DATASET)
-        catalogues = {} if state.index is None else _live_counts(state.index, CATALOGUE)
+        datasets = {} if state.index is None else live_counts(state.index, DATASET)
+        catalogues = {} if state.index is None else live_counts(state.index, CATALOGUE)
         return {"index_uri": self.uri, "version": self.version, "items": state.items,
                 "shards": len(manifest.shards), "removed_rows": manifest.removed,
                 "model_id": manifest.model_id, "dim": manifest.dim, "metric": manifest.metric,
                 "index_type": manifest.index_type, "nprobe": self.cfg.nprobe,
                 "on_gpu": bool(state.index is not None and state.index.on_gpu),
                 "datasets": datasets,
-                "catalogues": [{"uri": uri, "name": _name(uri), "items": n} for uri, n in catalogues.items()],
+                "catalogues": [{"uri": uri, "name": catalogue_short_name(uri), "items": n}
+                               for uri, n in catalogues.items()],
                 "filterable": _filterable(state),
                 "manifest_updated": manifest.updated, "loaded_at": time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.loaded_at)), "refused_update": self.refused}
-
-
-class ServedIndexes:
-    """The versions a replica serves: the live one named by the location's alias, and the one before it
-    while requests that started on it finish (a location without versions: one LiveIndex, version '').
-
-    ``get(version)`` loads a version on first use, so a request pinned to a version this replica has
-    not loaded yet (another replica switched first) is still answered by that version."""
-
-    def __init__(self, cfg: IndexConfig, dim: int, grace_s: float = 30.0,
-                 partition: Partition = Partition()) -> None:
-        self.cfg, self.dim, self.grace_s, self.partition = cfg, dim, grace_s, partition
-        self.location = cfg.uri
-        self._lock = threading.RLock()
-        self._loaded: dict[str, LiveIndex] = {}
-        self._in_flight: dict[str, int] = {}
-        self._retired: dict[str, float] = {}  # version -> when it stopped being live
-        self.live = self._live_name()
-        self.get(self.live)
-
-    def _live_name(self) -> str:
-        alias = read_alias(self.location)
-        return alias.live if alias is not None else ""
-
-    def get(self, version: str | None = None) -> LiveIndex:
-        """The LiveIndex of ``version`` (default: the live one), loaded if this replica has not yet."""
-        version = self.live if version is None else version
-        with self._lock:
-            if version not in self._loaded:
-                uri = version_uri(self.location, version) if version else self.location
-                if version and not has_manifest(uri):
-                    raise RequestError(409, f"version {version} of {self.location} no longer exists; "
-                                            "send the request again")
-                self._loaded[version] = LiveIndex(self.cfg, None, self.dim, uri=uri, version=version,
-                                                  partition=self.partition)
-                log.info("loaded version %s of %s", version or "(single index)", self.location)
-            return self._loaded[version]
-
-    @contextmanager
-    def use(self, version: str | None = None):
-        """The LiveIndex of ``version`` held for one request (a retired version is not dropped while
-        a request holds it)."""
-        index = self.get(version)
-        with self._lock:
-            self._in_flight[index.version] = self._in_flight.get(index.version, 0) + 1
-        try:
-            yield index
-        finally:
-            with self._lock:
-                self._in_flight[index.version] -= 1
-
-    def refresh(self) -> bool:
-        """Follow the alias (load a new live version beside the old), refresh what is loaded, drop
-        retired versions no request holds after the grace period; True when the live version changed."""
-        live = self._live_name()
-        switched = live != self.live
-        if switched:
-            self.get(live)  # loaded before it is served
-            with self._lock:
-                self._retired[self.live] = time.monotonic()
-                self._retired.pop(live, None)
-                self.live = live
-            log.info("index %s: serving version %s", self.location, live)
-        for index in list(self._loaded.values()):
-            index.refresh()
-        self._drop_retired()
-        return switched
-
-    def _drop_retired(self) -> None:
-        now_s = time.monotonic()
-        with self._lock:
-            for version, since in list(self._retired.items()):
-                if now_s - since >= self.grace_s and not self._in_flight.get(version, 0):
-                    self._loaded.pop(version, None)
-                    self._retired.pop(version)
-                    log.info("dropped version %s of %s", version, self.location)
-
-    @property
-    def loaded(self) -> list[str]:
-        return sorted(self._loaded)
-
-    def figures(self) -> dict[str, tuple[int, int, int, str]]:
-        """Each loaded version's items, shards, removed rows and manifest ``updated`` (for metrics)."""
-        with self._lock:
-            return {version: (live.state.items, len(live.state.manifest.shards), live.state.manifest.removed,
-                              live.state.manifest.updated) for version, live in self._loaded.items()}
 
 
 def _version(manifest: Manifest) -> tuple:
@@ -451,89 +369,8 @@ def _part_answer(state: State, scores: np.ndarray, ids: np.ndarray, unknown: lis
     return {"hits": hits, "items": state.items, "unknown": unknown}
 
 
-def _mask(index: ShardedIndex, column: str, names: tuple[str, ...],
-          live: np.ndarray) -> tuple[np.ndarray | None, list]:
-    """Items whose ``column`` is one of ``names`` (None: every item, when none are named), and the names
-    no live item has."""
-    if not names:
-        return None, []
-    present = set(_live_counts(index, column))
-    wanted = pa.array(names, pa.string())
-    mask = np.concatenate([pc.is_in(values, value_set=wanted).fill_null(False).to_numpy(zero_copy_only=False)
-                           for values in index.shard_columns(column)])  # (N,)
-    return mask, [n for n in names if n not in present]
-
-
-def _catalogue_mask(index: ShardedIndex, names: tuple[str, ...],
-                    live: np.ndarray) -> tuple[np.ndarray | None, list]:
-    """Items of the named catalogues, each named by its URI or its folder name (None: every item, when
-    none are named); and unknown names."""
-    if not names:
-        return None, []
-    by_name = _catalogue_names(index)
-    uris = tuple(sorted({by_name[n] for n in names if n in by_name}))
-    if names and not uris:  # only unknown names: no item (an empty name list means no filter)
-        return np.zeros(index.ntotal, dtype=bool), list(names)
-    mask, _ = _mask(index, CATALOGUE, uris, live)
-    return mask, [n for n in names if n not in by_name]
-
-
-def _catalogue_names(index: ShardedIndex) -> dict[str, str]:
-    """Every name a live catalogue answers to (its URI and its folder name) -> its URI."""
-    uris = list(_live_counts(index, CATALOGUE))
-    return {**{_name(u): u for u in uris}, **{u: u for u in uris}}
-
-
-def _live_counts(index: ShardedIndex, column: str) -> dict[str, int]:
-    """Non-null values of a held string column over the live items -> how many have each, by name
-    (shard by shard: a dictionary column counts its 4-byte codes, no string is copied)."""
-    total: dict[str, int] = {}
-    start = 0
-    for values in index.shard_columns(column):
-        live = pa.array(index.live[start:start + len(values)])
-        start += len(values)
-        for value, n in _counts(values.filter(live)).items():
-            total[value] = total.get(value, 0) + n
-    return dict(sorted(total.items()))
-
-
 def _filterable(state: State) -> dict:
     """The columns a filter may name: their types and, for text columns with few values, the values."""
     if state.filterable is None:
         state.filterable = {} if state.index is None else state.index.describe_filters()
     return state.filterable
-
-
-def _named(datasets, catalogues, columns=()) -> list[str]:
-    """Filter names as one list, e.g. ["dataset 'cub'", "catalogue 'shop'", "column 'price'"]."""
-    return [f"dataset {n!r}" for n in datasets] + [f"catalogue {n!r}" for n in catalogues] + \
-        [f"column {n!r}" for n in columns]
-
-
-def _filter_mask(index: ShardedIndex, where: Filter | None, strict: bool) -> tuple[np.ndarray | None, list]:
-    """Rows ``where`` selects (None: all, without a filter), and the columns it names that this index lacks.
-    ``strict``: a 422 for an unknown column, a wrong type or value (the whole index is here). Else (one
-    partition of several) unknown columns are returned, since another partition may hold them, and
-    match nothing here; the known columns are still checked."""
-    if where is None:
-        return None, []
-    types = index.filter_types
-    unknown = sorted(c for c in where.columns() if c not in types)
-    try:
-        return index.filter_mask(where, unknown_ok=not strict), [] if strict else unknown
-    except FilterError as exc:
-        raise RequestError(422, str(exc)) from exc
-
-
-def _counts(column: pa.ChunkedArray) -> dict[str, int]:
-    """Non-null string values of a column -> how many items have each, by name."""
-    values = pc.value_counts(column.drop_null() if len(column) else pa.array([], pa.string()))
-    pairs = [(v["values"], v["counts"]) for v in values.to_pylist()]
-    return {str(value): int(count) for value, count in sorted(pairs) if value is not None}
-
-
-def _name(uri: str) -> str:
-    try:
-        return catalogue_name(uri)
-    except ValueError:
-        return uri

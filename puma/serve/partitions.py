@@ -9,7 +9,8 @@ within one shard of each other in size. A query goes to every partition; each re
 (filters applied there) and the merge keeps the best k by score, ties broken by the FAISS global
 id: the order one index holding every shard gives (its shards merge in id order).
 
-No Ray here: puma.serve.app fans out with deployment handles; the tests merge LiveIndexes directly.
+No Ray here: puma.serve.fanout asks every partition and merges their answers with these (the tests
+fan out over LiveIndexes in one process).
 """
 
 from __future__ import annotations
@@ -17,14 +18,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import time
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
-
 from puma.index.filtered import merged_type
-from puma.index.filters import Filter
 from puma.index.manifest import Manifest
 from puma.serve.errors import RequestError
 
@@ -132,11 +129,6 @@ def merged_stats(parts: list[dict]) -> dict:
     return out
 
 
-def _wire(where: Filter | None) -> dict | None:
-    """A filter as the partitions' calls carry it: its canonical JSON form."""
-    return None if where is None else where.to_json()
-
-
 def merged_filterable(parts: list[dict], max_values: int = 50) -> dict:
     """The partitions' filterable columns as one index's: a type the partitions agree on ("json" where
     any holds nested values, else "string" where they differ), and the text values while few."""
@@ -154,52 +146,3 @@ def merged_filterable(parts: list[dict], max_values: int = 50) -> dict:
         if info["type"] == "string" and values is not None and len(values) <= max_values:
             info["values"] = sorted(values)
     return dict(sorted(out.items()))
-
-
-class FanOut:
-    """Queries answered by every partition and merged: ``_all(method, *args)`` calls ``method`` of
-    each partition (IndexPartition's methods: search_part, vector_of, thumbnail, stats, health)
-    with the request's version last, and returns their answers in partition order. ``timer(stage,
-    seconds)``, when set, is told each merge's time (the service's metrics)."""
-
-    timer = None
-
-    async def _all(self, method: str, *args) -> list:
-        raise NotImplementedError
-
-    async def search_vector(self, vector: np.ndarray, k: int, datasets: tuple, catalogues: tuple,
-                            where: Filter | None, version: str) -> list[dict]:
-        answers = await self._all("search_part", vector, k, datasets, catalogues, _wire(where), version)
-        return self._merged(answers, k)
-
-    async def search_item(self, item_id: str, k: int, datasets: tuple, catalogues: tuple,
-                          include_self: bool, where: Filter | None, version: str) -> list[dict]:
-        """The partition holding the item gives its vector; every partition searches it (one more
-        hit each unless include_self) and the item itself leaves the merge."""
-        vector = next((v for v in await self._all("vector_of", item_id, version) if v is not None), None)
-        if vector is None:
-            raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index")
-        answers = await self._all("search_part", vector, k + (0 if include_self else 1), datasets,
-                                  catalogues, _wire(where), version)
-        return self._merged(answers, k, "" if include_self else item_id)
-
-    def _merged(self, answers: list, k: int, leave_out: str = "") -> list[dict]:
-        start = time.perf_counter()
-        hits = merged_answer(answers, k, leave_out)
-        if self.timer is not None:
-            self.timer("merge", time.perf_counter() - start)
-        return hits
-
-    async def thumbnail(self, item_id: str, version: str) -> bytes:
-        data = next((d for d in await self._all("thumbnail", item_id, version) if d is not None), None)
-        if data is None:
-            raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index")
-        return data
-
-    async def stats_async(self) -> dict:
-        return merged_stats(await self._all("stats"))
-
-    async def health_async(self) -> dict:
-        parts = await self._all("health")
-        return {"items": sum(p["items"] for p in parts), "version": parts[0]["version"],
-                "refused_update": next((p["refused_update"] for p in parts if p["refused_update"]), "")}
