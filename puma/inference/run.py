@@ -16,8 +16,9 @@ from puma import storage
 from puma.checkpoint import checkpoint_id, read_checkpoint, resolve_checkpoint
 from puma.config import Config, absolute_paths
 from puma.data.images import ViewSpec, eval_view_spec
+from puma.index.layout import IndexLocation
 from puma.index.manifest import now
-from puma.index.versions import is_legacy, version_name, version_uri
+from puma.index.versions import is_legacy, version_name
 from puma.inference.embedder import Embedder
 from puma.inference.reconcile import Plan
 from puma.inference.rejects import rejects_uri
@@ -121,7 +122,7 @@ def prepare_run(cfg: Config, catalogue: str, location: str, checkpoint: str) -> 
     model_cfg = state.config
     model_id = checkpoint_id(checkpoint, state)
     version = "" if is_legacy(location) else version_name(model_id)
-    index_uri = version_uri(location, version) if version else location
+    index_uri = IndexLocation(location).index(version)
     report = EmbedReport(catalogue=catalogue, index_uri=index_uri, location=location, version=version,
                          checkpoint=checkpoint, model_id=model_id,
                          rejects_uri=rejects_uri(location, catalogue))

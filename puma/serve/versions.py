@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from puma.config import IndexConfig
 from puma.data.images import ViewSpec
+from puma.index.layout import IndexLocation
 from puma.index.manifest import has_manifest, read_manifest
 from puma.index.versions import read_alias, version_uri
 from puma.inference.embedder import use_storage
@@ -111,7 +112,7 @@ class ServedIndexes:
         version = self.live if version is None else version
         with self._lock:
             if version not in self._loaded:
-                uri = version_uri(self.location, version) if version else self.location
+                uri = IndexLocation(self.location).index(version)
                 if version and not has_manifest(uri):
                     raise RequestError(409, f"version {version} of {self.location} no longer exists; "
                                             "send the request again")
