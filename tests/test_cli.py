@@ -6,11 +6,13 @@ the positionals in one run and refused the override after the option ("unrecogni
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from puma.cli import job_parser, parse_job_args
 
@@ -54,3 +56,16 @@ def test_the_embed_job_takes_an_override_after_an_option():
                              f"embed.checkpoint={Z}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "unrecognized arguments" not in result.stderr
     assert result.returncode == 2 and f"error: {Z} is not a complete PUMA checkpoint" in result.stderr
+
+
+ENTRY_POINTS = sorted(f"jobs.{p.stem}" for p in (REPO / "jobs").glob("[a-z]*.py")) + ["tune.sweep"]
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_every_job_imports_and_takes_overrides_around_its_options(module, capsys):
+    """Each job is a module of the repository root (``jobs.embed.main(argv)``), and its own parser
+    takes overrides before and after an option."""
+    job = importlib.import_module(module)
+    assert job.main(["train.epochs=5", "--print-config", "index.nprobe=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["train"]["epochs"], printed["index"]["nprobe"]) == (5, 7)
