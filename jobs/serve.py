@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from puma.cli import job_main, job_parser, parse_job_args  # noqa: E402
+from puma.cli import job_main, job_parser, parse_command_line, parse_job_args  # noqa: E402
 
 if TYPE_CHECKING:
     from puma.serve.plan import ServicePlan
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = job_parser(__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="check the index, checkpoint and model id, print what would be served, exit")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if not (args.check or args.help_config or args.print_config):
         from puma.serve.run import plan_apart
 

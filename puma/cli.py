@@ -1,4 +1,5 @@
-"""The shared command line of every job: ``--config FILE`` plus dotted ``key=value`` overrides."""
+"""The shared command line of every job: ``--config FILE`` plus dotted ``key=value`` overrides, in any
+order with the job's options (``index.uri=X --catalogue Y embed.checkpoint=Z``)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def job_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse argv with options and ``key=value`` overrides intermixed in any order: argparse's plain
+    parse_args takes the positionals in one run, so an override after an option was refused."""
+    return parser.parse_intermixed_args(argv)
+
+
 def resolve_config(args: argparse.Namespace, model_checks: bool = True) -> Config:
     """Defaults -> --config (or $PUMA_CONFIG, or the demo config) -> overrides, then (``model_checks``)
     the method's own config checks. A job whose model comes from a checkpoint's own config (embedding,
@@ -58,7 +65,7 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None,
                    model_checks: bool = True) -> tuple[argparse.Namespace, Config | None]:
     """Parse argv; returns (args, None) when the job should exit early (help printed, bad config).
     ``model_checks``: run the configured method's checks (see resolve_config)."""
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     console.set_verbose(args.verbose)
     if args.help_config:
         print("\n".join(help_config_lines()))

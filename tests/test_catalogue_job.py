@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import csv
-import importlib.util
 import json
 import re
 import shutil
@@ -25,6 +24,9 @@ import pytest
 from pushgateway import Pushgateway, used_by_monitoring
 from tiny import make_checkpoint, reference_embeddings
 
+import jobs.embed
+import jobs.index
+import jobs.search
 from puma.config import IndexConfig, load_config
 from puma.data.rejects import read_rejects
 from puma.index import ShardedIndex, read_manifest, verify
@@ -35,13 +37,6 @@ from puma.serve.live_index import LiveIndex
 REPO = Path(__file__).resolve().parent.parent
 FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
 CLASSES = ("bluebell", "daisy", "iris", "pansy")
-
-
-def load_job(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_job", REPO / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +182,8 @@ def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_c
     capsys.readouterr()
     gateway = Pushgateway(tmp_path / "pushgateway")  # the job pushes its counts (puma/job_metrics.py)
     try:
-        assert load_job("embed").main(["--catalogue", str(table), *settings(tmp_path, checkpoint),
-                                       f"metrics.pushgateway={gateway.url}"]) == 0
+        assert jobs.embed.main(["--catalogue", str(table), *settings(tmp_path, checkpoint),
+                                f"metrics.pushgateway={gateway.url}"]) == 0
         second = printed_counts(capsys.readouterr().out)
         assert (second["embedded"], second["added"], second["changed"]) == (6, 4, 2)
         assert (second["removed"], second["restamped"], second["rejected"]) == (4, 1, 3)
@@ -218,7 +213,7 @@ def test_a_csv_table_catalogue_is_reconciled_with_its_metadata_and_rejects(ray_c
     out = tmp_path / "hits.parquet"
     argv = ["--item-id", keep[20]["item_id"], "--k", "3", "--include-self", "--out", str(out),
             f"index.uri={location}"]
-    assert load_job("search").main(argv) == 0
+    assert jobs.search.main(argv) == 0
     results = pq.read_table(out).to_pylist()
     assert results[0]["item_id"] == keep[20]["item_id"]
     assert json.loads(results[0]["metadata"]) == {"price": "12.5"}
@@ -272,7 +267,7 @@ def test_a_new_model_builds_its_version_for_every_live_catalogue_then_goes_live(
     assert index.manifest.model_id == checkpoint_id(other) and index.live_total == 12
     q = reference_embeddings(other, refs_of([a / p.name for p in photos("daisy")[60:62]]))
     assert list(index.search(q, 1)[1][:, 0]) == [f"a/{p.name}" for p in photos("daisy")[60:62]]
-    job = load_job("index")
+    job = jobs.index
     assert job.main(["remove-catalogue", "--catalogue", str(b), f"index.uri={location}"]) == 0
     assert "removed 6 item(s)" in capsys.readouterr().out
     for version in list_versions(location):

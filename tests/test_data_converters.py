@@ -105,6 +105,75 @@ def test_cars_layout(tmp_path, image_bytes):
     _check_listing(listing, 10, names[:2], names[2:])  # the image-level 'test' flag is ignored
 
 
+CARS_NAMES = ["AM General Hummer SUV 2000", "Acura RL Sedan 2012", "BMW M3 Coupe 2012",
+              "Volvo 240 Sedan 1993"]
+
+
+def _mat_structs(rows: list[dict]) -> np.ndarray:
+    """A MATLAB struct array (1, N) of ``rows``, as scipy.io.savemat writes the releases' annotations."""
+    out = np.zeros((1, len(rows)), dtype=[(key, "O") for key in rows[0]])
+    for k, row in enumerate(rows):
+        out[0, k] = tuple(row.values())
+    return out
+
+
+def _cell(values: list[str]) -> np.ndarray:
+    cell = np.empty((1, len(values)), dtype=object)
+    cell[0, :] = values
+    return cell
+
+
+def _cars_both_layouts(root: Path, image_bytes, test_annos_in: str) -> tuple[Path, Path]:
+    """Twelve images (class k % 4 + 1, the release's image-level test flag k % 3 == 0) written as
+    cars_annos.mat over car_ims/ and as the devkit layout over cars_train/ and cars_test/."""
+    images = [(k, k % 4 + 1, int(k % 3 == 0)) for k in range(12)]
+    box = {"bbox_x1": 1, "bbox_y1": 2, "bbox_x2": 30, "bbox_y2": 20}
+    annos, devkit = root / "annos", root / "devkit_layout"
+    rows, parts = [], {0: [], 1: []}
+    for k, cls, test in images:
+        rel = f"car_ims/{k + 1:06d}.jpg"
+        (annos / rel).parent.mkdir(parents=True, exist_ok=True)
+        (annos / rel).write_bytes(image_bytes(seed=k))
+        rows.append({**box, "relative_im_path": rel, "class": np.uint8(cls), "test": np.uint8(test)})
+        fname = f"{len(parts[test]) + 1:05d}.jpg"  # each folder numbers its own images from 00001
+        folder = devkit / ("cars_test" if test else "cars_train")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / fname).write_bytes(image_bytes(seed=k))
+        parts[test].append({**box, "class": np.uint8(cls), "fname": fname})
+    scipy.io.savemat(annos / "cars_annos.mat", {"annotations": _mat_structs(rows),
+                                                "class_names": _cell(CARS_NAMES)})
+    (devkit / "devkit").mkdir()
+    scipy.io.savemat(devkit / "devkit" / "cars_train_annos.mat", {"annotations": _mat_structs(parts[0])})
+    scipy.io.savemat(devkit / test_annos_in / "cars_test_annos_withlabels.mat",
+                     {"annotations": _mat_structs(parts[1])})
+    scipy.io.savemat(devkit / "devkit" / "cars_meta.mat", {"class_names": _cell(CARS_NAMES)})
+    return annos, devkit
+
+
+def _by_image(listing: DatasetListing) -> dict[bytes, tuple]:
+    """Each item's label, class name, split and role, keyed by its image's bytes."""
+    return {Path(i.source_path).read_bytes(): (i.label, i.class_name, i.split, i.role) for i in listing.items}
+
+
+@pytest.mark.parametrize("test_annos_in", [".", "devkit"])
+def test_cars_devkit_layout_converts_exactly_as_cars_annos(tmp_path, image_bytes, test_annos_in):
+    """The same images in both layouts: the same items (by image), labels, class names and split; the
+    devkit's image-level train / test split is ignored like cars_annos.mat's test flag."""
+    annos, devkit = _cars_both_layouts(tmp_path, image_bytes, test_annos_in)
+    want, got = convert_cars(str(annos)), convert_cars(str(devkit))
+    _check_listing(got, 12, CARS_NAMES[:2], CARS_NAMES[2:])
+    assert len(_by_image(want)) == 12 and _by_image(got) == _by_image(want)
+    assert (got.class_names, got.num_train_classes) == (want.class_names, want.num_train_classes)
+    assert {i.item_id for i in got.items} >= {"cars/cars_train/00001.jpg", "cars/cars_test/00001.jpg"}
+
+
+def test_cars_devkit_layout_without_test_labels_names_the_file(tmp_path, image_bytes):
+    _, devkit = _cars_both_layouts(tmp_path, image_bytes, "devkit")
+    (devkit / "devkit" / "cars_test_annos_withlabels.mat").unlink()
+    with pytest.raises(LayoutError, match="cars_test_annos_withlabels.mat"):
+        convert_cars(str(devkit))
+
+
 def test_sop_layout_splits_by_files(tmp_path, image_bytes):
     root = tmp_path / "Stanford_Online_Products"
     train = [(1, 1, 1, "bicycle_final/111_0.JPG"), (2, 1, 1, "bicycle_final/111_1.JPG"),

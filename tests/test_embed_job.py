@@ -7,7 +7,6 @@ Parquet dataset.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import torch
 from conftest import encode_image, special_images, write_cub_tree
 from tiny import make_checkpoint, reference_embeddings
 
+import jobs.embed
 from puma import storage
 from puma.config import load_config
 from puma.data.prepare import prepare
@@ -40,13 +40,6 @@ FLOWERS = REPO.parent / "shared" / "data" / "flowers12-subset"
 if not FLOWERS.exists():
     FLOWERS = Path("/work/shared/data/flowers12-subset")
 EMBED_JOB = REPO / "jobs" / "embed.py"
-
-
-def _load_job():
-    spec = importlib.util.spec_from_file_location("embed_job", EMBED_JOB)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -255,8 +248,8 @@ def test_second_catalogue_is_added_without_re_embedding_the_first(ray_cluster, c
 def test_unreadable_images_are_rejected_and_listed_and_the_job_completes(ray_cluster, checkpoint, tmp_path,
                                                                          capsys):
     folder = image_catalogue(tmp_path, "mixed", n_real=2, n_generated=3, bad=True)
-    rc = _load_job().main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
-                           f"embed.checkpoint={checkpoint}", "embed.commit_rows=8", "embed.num_cpus=1"])
+    rc = jobs.embed.main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
+                          f"embed.checkpoint={checkpoint}", "embed.commit_rows=8", "embed.num_cpus=1"])
     out = capsys.readouterr().out
     rejects_file = tmp_path / "index" / "rejects" / "mixed.jsonl"
     assert rc == 0 and "3 rejected image(s) listed in" in out and str(rejects_file) in out
@@ -271,8 +264,8 @@ def test_unreadable_images_are_rejected_and_listed_and_the_job_completes(ray_clu
     other = make_checkpoint(str(tmp_path / "other"), seed=1)  # another model never joins this version
     assert checkpoint_id(other) != checkpoint_id(checkpoint)
     assert checkpoint_id(make_checkpoint(str(tmp_path / "copy"))) == checkpoint_id(checkpoint)
-    rc = _load_job().main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
-                           f"embed.checkpoint={other}"])
+    rc = jobs.embed.main(["--catalogue", str(folder), f"index.uri={tmp_path / 'index'}",
+                          f"embed.checkpoint={other}"])
     alias = read_alias(str(tmp_path / "index"))  # it builds its own version, which then goes live
     assert rc == 0 and (alias.live, alias.previous) == (version_name(checkpoint_id(other)),
                                                         version_name(checkpoint_id(checkpoint)))
@@ -309,8 +302,8 @@ def test_watch_embeds_each_new_catalogue_once(ray_cluster, checkpoint, tmp_path,
     first = watch(cfg, str(prefix))
     assert [(Path(r.catalogue).name, r.embedded) for r in first] == [("one", 5), ("two", 4)]
     image_catalogue(prefix, "three", n_real=0, n_generated=3)
-    rc = _load_job().main(["--watch", str(prefix), f"index.uri={tmp_path / 'index'}",
-                           f"embed.checkpoint={checkpoint}", "embed.num_cpus=1"])
+    rc = jobs.embed.main(["--watch", str(prefix), f"index.uri={tmp_path / 'index'}",
+                          f"embed.checkpoint={checkpoint}", "embed.num_cpus=1"])
     assert rc == 0 and "three: embedded 3, already indexed 0" in capsys.readouterr().out
     again = watch(cfg, str(prefix))
     assert [r.embedded for r in again] == [0, 0, 0] and again[-1].total == 12
@@ -349,7 +342,7 @@ def test_s3_catalogue_and_index(ray_cluster, checkpoint, tmp_path, s3_server, s3
 
 
 def test_help_and_bad_config(capsys, tmp_path):
-    job = _load_job()
+    job = jobs.embed
     with pytest.raises(SystemExit) as exit_help:
         job.main(["--help"])
     assert exit_help.value.code == 0 and "--watch" in capsys.readouterr().out
@@ -363,7 +356,7 @@ def test_help_and_bad_config(capsys, tmp_path):
 
 def test_missing_checkpoint_and_empty_catalogue_are_clear_errors(checkpoint, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    job = _load_job()
+    job = jobs.embed
     assert job.main(["--catalogue", str(tmp_path / "empty"), f"embed.checkpoint={tmp_path / 'nope'}"]) == 2
     assert "not a complete PUMA checkpoint" in capsys.readouterr().err
     assert job.main(["--catalogue", str(tmp_path / "empty"), f"embed.checkpoint={checkpoint}",

@@ -7,7 +7,6 @@ tiny checkpoint (tests/tiny.py), the embedding job on the test Ray cluster, then
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import faiss.contrib.torch_utils  # noqa: F401 - as pytorch-metric-learning does: patches Index.search
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pytest
 from tiny import make_checkpoint, reference_embeddings
 
+import jobs.evaluate
 from puma import storage
 from puma.checkpoint import checkpoint_id
 from puma.config import IndexConfig
@@ -128,16 +128,8 @@ def test_restricted_search_returns_only_allowed_ids(tmp_path: Path) -> None:
     assert (few[:, 3:] == -1).all() and set(few[0, :3]) == {0, 1, 2}
 
 
-def load_evaluate_job():
-    """jobs/evaluate.py as a module (its main(argv))."""
-    sys.path.insert(0, str(REPO / "jobs"))
-    import evaluate as evaluate_job
-
-    return evaluate_job
-
-
 def test_evaluate_job_end_to_end(tmp_path: Path, capsys) -> None:
-    evaluate_job = load_evaluate_job()
+    evaluate_job = jobs.evaluate
     table, cols = clustered_catalogue()
     uri = str(tmp_path / "index")
     build_index(uri, table, IndexConfig(index_type="flat", shard_size=100))
@@ -189,7 +181,7 @@ def test_evaluate_job_embeds_the_test_split_and_equals_core_metrics(ray_cluster,
     argv = ["--embed", "--index", index, "--checkpoint", checkpoint, f"data.uri={prepared}",
             "eval.ks=[1,2,4]", "embed.commit_rows=6", "embed.batch_size=4", "data.decode_batch_size=4",
             "embed.num_cpus=1"]
-    assert load_evaluate_job().main(argv) == 0
+    assert jobs.evaluate.main(argv) == 0
     out = capsys.readouterr().out
     assert f"embedded 16 test images of {prepared} into {resolve(index)}" in out
 
@@ -217,12 +209,12 @@ def test_evaluate_job_embeds_the_test_split_and_equals_core_metrics(ray_cluster,
         line = next(x for x in out.splitlines() if x.startswith(row + " "))
         assert line.split()[1:] == [f"{want[f'{row}/{m}']:.4f}" for m in ("r@1", "map@r", "rp")]
 
-    assert load_evaluate_job().main(argv) == 0  # again: nothing re-embedded, the same metrics
+    assert jobs.evaluate.main(argv) == 0  # again: nothing re-embedded, the same metrics
     assert "embedded 0 test images" in capsys.readouterr().out
     assert json.loads(Path(index, "evaluation.json").read_text())["metrics"] == record["metrics"]
     other = make_checkpoint(str(tmp_path / "other" / "best"), seed=3)  # --embed with another model:
     argv[argv.index(checkpoint)] = other  # its own version is built and evaluated, not the live one
-    assert load_evaluate_job().main(argv) == 0
+    assert jobs.evaluate.main(argv) == 0
     again = json.loads(Path(index, "evaluation.json").read_text())
     assert again["index"] == version_uri(index, version_name(checkpoint_id(other)))
     assert again["metrics"] != record["metrics"] and record["index"] == resolve(index)

@@ -5,7 +5,6 @@ docs/examples/onnx_embed.py (onnxruntime, numpy and Pillow only) embeds like the
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pytest
 from tiny import make_checkpoint, reference_embeddings
 
+import jobs.export
 from puma.checkpoint import checkpoint_id
 from puma.export import ExportError, embed, export_onnx, metadata, quantize_int8, session
 from puma.methods import METHODS
@@ -105,9 +105,7 @@ def test_the_int8_copy_keeps_the_metadata_is_smaller_and_embeds_real_photos_like
 
 
 def test_the_export_job_writes_and_refuses_without_out(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("export_job", REPO / "jobs" / "export.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = jobs.export
     ckpt = make_checkpoint(str(tmp_path / "ckpt"))
     assert job.main(["--checkpoint", ckpt]) == 2 and "--out" in capsys.readouterr().err
     assert job.main(["--checkpoint", ckpt, "--out", str(tmp_path / "m.onnx")]) == 0

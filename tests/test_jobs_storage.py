@@ -9,7 +9,7 @@ probe runs the real command line in a subprocess.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import re
 import socket
@@ -31,11 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _job(name: str):
-    path = REPO / ("tune" if name == "sweep" else "jobs") / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"job_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return importlib.import_module(f"tune.{name}" if name == "sweep" else f"jobs.{name}").main
 
 
 @pytest.fixture

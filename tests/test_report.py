@@ -8,7 +8,6 @@ loads in the browser and is not blank; the numbers in the page's table are repor
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +20,8 @@ from conftest import write_cub_tree
 from PIL import Image
 from tiny import make_checkpoint
 
+import jobs.evaluate
+import jobs.report
 from puma.checkpoint import CheckpointState, publish_best, read_checkpoint, save_checkpoint
 from puma.config import IndexConfig
 from puma.data.prepare import prepare
@@ -36,14 +37,6 @@ if not FLOWERS.exists():
 SWEEP = REPO / "tune" / "results" / "recipe"  # a real sweep's results folder (trials.csv)
 BEFORE = {"cub/r@1": 0.25, "flowers/r@1": 0.5, "unified/r@1": 0.375, "harmonic/r@1": 1 / 3,
           "cub/map@r": 0.2, "flowers/map@r": 0.3, "unified/map@r": 0.25, "harmonic/map@r": 0.24}
-
-
-def load_job(name: str):
-    """jobs/<name>.py as a module (its main(argv))."""
-    spec = importlib.util.spec_from_file_location(f"{name}_job", REPO / "jobs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def flower_folder(root: Path, classes: int = 4, per_class: int = 4) -> Path:
@@ -131,12 +124,12 @@ def test_report_of_a_tiny_run_equals_evaluate_and_renders(ray_cluster, prepared,
             "--fewshot", str(write_fewshot(tmp_path / "fewshot.json")), *common,
             f"train.storage_path={tmp_path / 'runs'}", "train.run_name=tiny", "embed.commit_rows=16",
             "embed.batch_size=8", "data.decode_batch_size=8", "embed.num_cpus=1"]
-    assert load_job("report").main(argv) == 0
+    assert jobs.report.main(argv) == 0
     out = capsys.readouterr().out
     page = run / "report" / "index.html"
     assert f"[puma] report: {page}" in out and "embedded 16 test images" in out
 
-    assert load_job("evaluate").main(["--index", index, *common]) == 0
+    assert jobs.evaluate.main(["--index", index, *common]) == 0
     want = json.loads(Path(index, "evaluation.json").read_text())["metrics"]
     record = json.loads((run / "report" / "report.json").read_text())
     assert set(record["metrics"]) == set(want) and {"cub/r@4", "flowers/map@r", "harmonic/rp"} <= set(want)
@@ -175,7 +168,7 @@ def test_report_of_a_tiny_run_equals_evaluate_and_renders(ray_cluster, prepared,
 
 
 def test_user_errors_are_one_line(tmp_path, capsys):
-    job = load_job("report")
+    job = jobs.report
     runs = [f"train.storage_path={tmp_path / 'runs'}", "train.run_name=none", f"index.uri={tmp_path / 'ix'}"]
     assert job.main(runs) == 2
     assert f"error: no trained run at {tmp_path / 'runs' / 'none'}" in capsys.readouterr().err

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from puma.sweep.report import SweepOutcome, TrialRow, best_row, trials_markdown,
 from puma.sweep.run import trial_statuses
 from puma.sweep.space import grid_points, optuna_distributions, optuna_sampler
 from puma.sweep.trial import trial_config
+from tune import sweep as sweep_job
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "data"
@@ -53,15 +53,6 @@ TEST_SPACE = {
 
 
 
-def _load_entry_point(relative: str):
-    """Import a script (tune/sweep.py, jobs/train.py) as a module under a unique name."""
-    spec = importlib.util.spec_from_file_location("entry_" + relative.replace("/", "_")[:-3], REPO / relative)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep_job = _load_entry_point("tune/sweep.py")
 
 
 def tiny_config(path: Path, data_uri: str, sweeps: str, runs: str) -> Path:

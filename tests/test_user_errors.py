@@ -8,7 +8,6 @@ Failure injection (a full disk) is the only mock; everything else is a real file
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import shutil
 import socket
@@ -26,6 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import make_checkpoint
 
+import jobs.embed
+import jobs.prepare_data
+import jobs.search
+import jobs.train
 from puma import storage
 from puma.checkpoint import MODEL_FILE, CheckpointError, load_model, read_checkpoint
 from puma.cli import run_job
@@ -37,13 +40,6 @@ REPO = Path(__file__).resolve().parent.parent
 CUB_IMAGES = REPO.parent / "shared" / "data" / "cub200-subset" / "CUB_200_2011" / "images"
 SHARED_IMAGES = CUB_IMAGES / "054.Baltimore_Oriole"
 JOBS = REPO / "jobs"
-
-
-def _job(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_job", JOBS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _one_error_line(capsys) -> str:
@@ -74,8 +70,8 @@ def test_truncated_checkpoint_weights_are_named_not_a_safetensors_traceback(tmp_
     ckpt = make_checkpoint(str(tmp_path / "ckpt"))
     weights = Path(ckpt) / MODEL_FILE
     weights.write_bytes(weights.read_bytes()[:200])  # a copy cut short
-    rc = _job("embed").main(["--catalogue", str(tmp_path), f"embed.checkpoint={ckpt}",
-                             f"index.uri={tmp_path / 'index'}"])
+    rc = jobs.embed.main(["--catalogue", str(tmp_path), f"embed.checkpoint={ckpt}",
+                          f"index.uri={tmp_path / 'index'}"])
     assert rc == 2
     line = _one_error_line(capsys)
     assert f"{weights} is truncated or corrupt (200 bytes" in line and "another checkpoint" in line
@@ -90,8 +86,8 @@ def test_edited_checkpoint_weights_are_blamed_on_the_checkpoint_not_the_backbone
     save_file(tensors, weights)
     with pytest.raises(CheckpointError, match=f"{MODEL_FILE} was changed after the checkpoint was saved"):
         load_model(ckpt)
-    rc = _job("embed").main(["--catalogue", str(tmp_path), f"embed.checkpoint={ckpt}",
-                             f"index.uri={tmp_path / 'index'}"])
+    rc = jobs.embed.main(["--catalogue", str(tmp_path), f"embed.checkpoint={ckpt}",
+                          f"index.uri={tmp_path / 'index'}"])
     assert rc == 2
     line = _one_error_line(capsys)
     assert "was changed after the checkpoint was saved" in line and "backbone" not in line
@@ -123,8 +119,8 @@ def test_the_embed_job_refuses_another_backbone_in_one_line_before_its_actors(tm
     for image in sorted(SHARED_IMAGES.glob("*.jpg"))[:2]:
         shutil.copy(image, catalogue / image.name)
     start = time.monotonic()
-    rc = _job("embed").main(["--catalogue", str(catalogue.parent), f"embed.checkpoint={ckpt}",
-                             f"embed.backbone_weights={other}", f"index.uri={tmp_path / 'index'}"])
+    rc = jobs.embed.main(["--catalogue", str(catalogue.parent), f"embed.checkpoint={ckpt}",
+                          f"embed.backbone_weights={other}", f"index.uri={tmp_path / 'index'}"])
     assert rc == 2 and time.monotonic() - start < 60
     assert "the frozen backbone weights" in _one_error_line(capsys)
     assert not (tmp_path / "index").exists()
@@ -151,7 +147,7 @@ def test_truncated_backbone_weights_fail_on_the_driver_before_ray(tmp_path, caps
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(good.read_bytes()[:100_000] if good.exists() else b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     start = time.monotonic()
-    rc = _job("train").main([f"model.backbone.weights={cut}", f"train.storage_path={tmp_path / 'runs'}"])
+    rc = jobs.train.main([f"model.backbone.weights={cut}", f"train.storage_path={tmp_path / 'runs'}"])
     assert rc == 2 and time.monotonic() - start < 60, "must fail before Ray or data preparation start"
     line = _one_error_line(capsys)
     assert f"model.backbone.weights='{cut}' is truncated or corrupt" in line
@@ -172,7 +168,7 @@ def test_truncated_backbone_weights_fail_on_the_driver_before_ray(tmp_path, caps
 def test_a_model_the_backbone_cannot_take_fails_on_the_driver_before_ray(tmp_path, capsys, overrides,
                                                                          message):
     start = time.monotonic()
-    rc = _job("train").main([*overrides, f"train.storage_path={tmp_path / 'runs'}"])
+    rc = jobs.train.main([*overrides, f"train.storage_path={tmp_path / 'runs'}"])
     assert rc == 2 and time.monotonic() - start < 30
     assert message in _one_error_line(capsys)
     assert not (tmp_path / "runs").exists(), "must fail before Ray or data preparation start"
@@ -180,7 +176,7 @@ def test_a_model_the_backbone_cannot_take_fails_on_the_driver_before_ray(tmp_pat
 
 def test_missing_query_file_is_one_line_naming_it(tmp_path, capsys):
     uri = _index(tmp_path, 20)
-    rc = _job("search").main(["--queries", str(tmp_path / "nope.npy"), f"index.uri={uri}"])
+    rc = jobs.search.main(["--queries", str(tmp_path / "nope.npy"), f"index.uri={uri}"])
     assert rc == 2
     assert _one_error_line(capsys) == f"error: no object at {tmp_path / 'nope.npy'}"
 
@@ -188,9 +184,9 @@ def test_missing_query_file_is_one_line_naming_it(tmp_path, capsys):
 def test_invalid_yaml_and_unknown_keys_are_config_errors_with_a_suggestion(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  epochs: [3\n")
-    assert _job("train").main(["--config", str(bad)]) == 2
+    assert jobs.train.main(["--config", str(bad)]) == 2
     assert f"config file {bad} is not valid YAML" in _one_error_line(capsys)
-    assert _job("train").main(["train.epoch=3"]) == 2
+    assert jobs.train.main(["train.epoch=3"]) == 2
     assert _one_error_line(capsys) == ("error: unknown config key 'train.epoch' (did you mean "
                                        "'train.epochs'?); --help-config lists every key")
     typo = tmp_path / "typo.yaml"
@@ -221,8 +217,8 @@ def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(storage, "write_bytes", full_disk)
     out = tmp_path / "prepared"
-    rc = _job("prepare_data").main(["--preset", "folder", "--source", str(tmp_path / "catalogue"),
-                                    "--out", str(out)])
+    rc = jobs.prepare_data.main(["--preset", "folder", "--source", str(tmp_path / "catalogue"),
+                                 "--out", str(out)])
     assert rc == 2
     line = _one_error_line(capsys)
     assert line.startswith("error: [Errno 28] No space left on device: ") and str(out) in line
@@ -235,7 +231,7 @@ def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
 def test_k_beyond_the_index_returns_every_item_and_says_so(tmp_path, capsys):
     uri = _index(tmp_path, 2166)
     out = tmp_path / "out.parquet"
-    search = _job("search")
+    search = jobs.search
     assert search.main(["--item-id", "item/00007", "--k", "5000", "--out", str(out), f"index.uri={uri}"]) == 0
     results = pq.read_table(out)
     assert results.num_rows == 2165 and "item/00007" not in results["item_id"].to_pylist()

@@ -1,8 +1,7 @@
-"""Decode encoded image bytes with PIL and apply the paper's train / eval views (no Ray, no torch).
+"""The paper's train / eval views of encoded image bytes, decoded with PIL (no Ray, no torch).
 
-- decode: any PIL-readable format; CMYK, palette, grayscale, LA/RGBA (composited on white) and
-  16-bit images are converted to RGB; EXIF orientation is applied. Unreadable data raises
-  ``ImageRejected`` with a reason from ``puma.data.rejects.DECODE_REASONS``.
+- decode: puma.data.decode (upright 8-bit RGB, or ``ImageRejected`` with a reason from
+  ``puma.data.rejects.DECODE_REASONS``); its names are importable from here too.
 - train view: RandomResizedCrop(img_size, scale 0.2-1, ratio 3/4-4/3, bicubic) + horizontal flip
   with probability 0.5 (torchvision's sampling algorithm).
 - eval view: resize the shorter side to int(img_size * 256 / 224), center crop img_size, bicubic.
@@ -14,40 +13,36 @@ the backbone's normalisation from timm's pretrained config, minimum image size);
 evaluation, the embedding job and query images all decode with the same eval view.
 
 Large JPEGs are decoded at a reduced DCT scale (``Image.draft``) that still leaves at least the
-resolution the view needs. ``shrink_encoded`` is prepare's optional resize (``data.prepare_max_side``):
-shards then hold images whose longer side is at most that many pixels.
+resolution the view needs. With data.decode_on=worker a plain JPEG leaves as bytes and a crop plan
+(``plan_worker_view``), decoded on the consuming worker's device (puma/data/device_views.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import math
-import re
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageFile, ImageOps
+from PIL import Image
 
 from puma.config import ConfigError
 from puma.data import schema
+from puma.data.decode import (  # noqa: F401 - re-exported: their home before the split
+    ALPHA_MODES,
+    ImageRejected,
+    check_min_size,
+    decode_image,
+    exif_orientation,
+    rejects_bad_bytes,
+    shrink_encoded,
+    to_rgb,
+    verify_image,
+)
 
-ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is a reject, never a grey-padded image
 TRAIN_SCALE = (0.2, 1.0)
 TRAIN_RATIO = (3 / 4, 4 / 3)
-ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
-
-
-class ImageRejected(ValueError):
-    """An image that cannot be used; ``reason`` is one of puma.data.rejects.DECODE_REASONS."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -108,107 +103,6 @@ def check_prepare_max_side(max_side: int, img_size: int) -> None:
         raise ConfigError(f"data.prepare_max_side={max_side} would store images smaller than the {need} px "
                           f"the eval view of model.backbone.img_size={img_size} resizes to; use 0 (off) or "
                           f">= {need} (about {round(img_size * 2.3)} keeps the training crops' resolution)")
-
-
-@contextlib.contextmanager
-def _rejects_bad_bytes() -> Iterator[None]:
-    """Turn any decoder failure inside the block into ImageRejected (corrupt, truncated, too_large)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    except ImageRejected:
-        raise
-    except Image.DecompressionBombError as exc:
-        raise ImageRejected("too_large", str(exc)) from exc
-    except Exception as exc:  # noqa: BLE001 - untrusted bytes: every decoder failure is a reject
-        text = re.sub(r" <[^>]* at 0x[0-9a-f]+>", "", f"{type(exc).__name__}: {exc}")  # no addresses
-        truncated = isinstance(exc, EOFError) or "truncat" in str(exc).lower()
-        raise ImageRejected("truncated" if truncated else "corrupt", text) from exc
-
-
-def check_min_size(size: tuple[int, int], min_size: int) -> None:
-    """Reject (tiny) an image whose shorter side is below ``min_size`` (data.min_image_size)."""
-    if min(size) < min_size:
-        raise ImageRejected("tiny", f"{size[0]}x{size[1]} < {min_size} px")
-
-
-def decode_image(data: bytes, min_size: int, draft_side: int | None = None) -> Image.Image:
-    """RGB image from encoded bytes; raises ImageRejected (corrupt, truncated, tiny, too_large)."""
-    with _rejects_bad_bytes():
-        img = Image.open(io.BytesIO(data))
-        check_min_size(img.size, min_size)
-        if draft_side and img.format == "JPEG":
-            img.draft(None, (draft_side, draft_side))
-        img.load()
-        ImageOps.exif_transpose(img, in_place=True)  # upright; no copy of an upright image
-        return to_rgb(img)
-
-
-def verify_image(data: bytes) -> None:
-    """Raise ImageRejected (corrupt, truncated, too_large) unless ``data`` decodes to its end.
-
-    What prepare checks once per image. JPEGs decode at 1/8 scale (``Image.draft``): the whole
-    entropy-coded stream is still read, so truncation is caught, at about a third of a full decode's
-    cost; other formats decode fully. The size limit (tiny) is the decoding stage's, not checked here.
-    """
-    decode_image(data, min_size=1, draft_side=1)
-
-
-def shrink_encoded(data: bytes, max_side: int) -> bytes | None:
-    """Re-encoded bytes of an image whose longer side exceeds ``max_side``, shrunk to it; None if it fits.
-
-    Upright (EXIF orientation applied) and RGB (alpha on white); Lanczos from a DCT-scaled draft of at
-    least twice the target size (as Pillow's thumbnail does); JPEG sources stay JPEG (quality 90, 4:2:0
-    chroma: embeddings within cosine 0.9995 of the full-size photo's, tests/test_data_prepare.py), others
-    become PNG (lossless). An image just above the limit can come out larger than a heavily compressed
-    source; the gain is on photos several times the limit. Raises ImageRejected as ``decode_image`` does
-    (a shrunk image has been decoded to its end, so it needs no ``verify_image``).
-    """
-    with _rejects_bad_bytes():
-        img = Image.open(io.BytesIO(data))
-        fmt, (width, height) = img.format, img.size
-    if max(width, height) <= max_side:
-        return None
-    draft = math.ceil(2 * min(width, height) * max_side / max(width, height))
-    img = decode_image(data, min_size=1, draft_side=draft)  # upright RGB, at least twice the target
-    factor = max_side / max(img.width, img.height)
-    size = (max(1, round(img.width * factor)), max(1, round(img.height * factor)))
-    small = img.resize(size, Image.Resampling.LANCZOS)
-    out = io.BytesIO()
-    if fmt == "JPEG":
-        small.save(out, format="JPEG", quality=90)
-    else:
-        small.save(out, format="PNG")
-    return out.getvalue()
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any PIL mode -> RGB (alpha composited on white, 16/32-bit scaled to 8-bit)."""
-    if img.mode == "RGB":
-        return img
-    if img.mode == "P":
-        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
-    if img.mode.startswith("I") or img.mode == "F":
-        img = _to_8bit(img)
-    if img.mode in ALPHA_MODES:
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return img.convert("RGB")
-
-
-def _to_8bit(img: Image.Image) -> Image.Image:
-    """16/32-bit integer or float grayscale -> 8-bit, scaled by the type's range."""
-    array = np.asarray(img, dtype=np.float64)
-    peak = float(array.max(initial=0))
-    if img.mode == "F":
-        top = max(peak, 1e-12)
-    elif img.mode.startswith("I;16") or 255 < peak <= 65535:
-        top = 65535.0
-    else:
-        top = max(peak, 255.0)
-    return Image.fromarray(np.clip(array / top * 255.0 + 0.5, 0, 255).astype(np.uint8), mode="L")
 
 
 def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
@@ -325,10 +219,10 @@ def _drafted_train_view(data: bytes, spec: ViewSpec, rng: np.random.Generator) -
     leaves the box at least img_size pixels on each side (:func:`draft_for_box`). A fixed draft side
     cannot do this: every crop must keep its resolution, so 1,000 px photos decoded at full size.
     """
-    with _rejects_bad_bytes():
+    with rejects_bad_bytes():
         img = Image.open(io.BytesIO(data))
         check_min_size(img.size, spec.min_size)
-        if img.format != "JPEG" or _orientation(img) != 1:
+        if img.format != "JPEG" or exif_orientation(img) != 1:
             return None
         full = img.size
         box = random_resized_crop_box(*full, rng)
@@ -366,9 +260,9 @@ class WorkerPlan:
 def plan_worker_view(data: bytes, spec: ViewSpec, rng: np.random.Generator | None = None) -> WorkerPlan:
     """Read only the header of a plain JPEG and plan its view; view any other image now (ImageRejected
     as ``make_view``). The train box and flip are drawn from ``rng`` in train_view's order."""
-    with _rejects_bad_bytes():
+    with rejects_bad_bytes():
         img = Image.open(io.BytesIO(data))
-        plain = img.format == "JPEG" and img.mode in ("RGB", "L") and _orientation(img) == 1
+        plain = img.format == "JPEG" and img.mode in ("RGB", "L") and exif_orientation(img) == 1
         size = img.size
     check_min_size(size, spec.min_size)
     if not plain:
@@ -391,14 +285,6 @@ def worker_columns(plans: list[WorkerPlan], spec: ViewSpec) -> dict[str, np.ndar
             schema.BATCH_CROP: np.asarray([plan.box for plan in plans], np.float32).reshape(n, 4),
             schema.BATCH_FLIP: np.asarray([plan.flip for plan in plans], bool),
             schema.BATCH_VIEW: view_column(spec, n)}  # (B, 7)
-
-
-def _orientation(img: Image.Image) -> int:
-    """The EXIF orientation tag (1: upright, also when absent or unreadable)."""
-    try:
-        return int(img.getexif().get(0x0112, 1) or 1)
-    except Exception:  # noqa: BLE001 - a broken EXIF block: the full decode path handles (or rejects) it
-        return 0
 
 
 def eval_box(width: int, height: int, img_size: int) -> tuple[float, float, float, float]:

@@ -95,9 +95,23 @@ def _mat_field(mat: dict, key: str, uri: str) -> np.ndarray:
     return np.atleast_1d(mat[key])
 
 
+CARS_ANNOS = ["cars_annos.mat", "devkit/cars_annos.mat"]  # one file: every image, car_ims/
+CARS_DEVKIT = "devkit/cars_train_annos.mat"  # the devkit layout: cars_train/ and cars_test/ apart
+
+
 def convert_cars(root: str, name: str = "cars") -> DatasetListing:
-    """Cars-196: cars_annos.mat (annotations.relative_im_path, .class; class_names); car_ims/."""
-    uri = find_file(root, ["cars_annos.mat", "devkit/cars_annos.mat"], f"Cars-196 at {root}")
+    """Cars-196 in either layout: cars_annos.mat (annotations.relative_im_path, .class; class_names) over
+    car_ims/, or the devkit's (see _cars_devkit) over cars_train/ and cars_test/; the same images get
+    the same labels, class names and split in both (their item ids follow their paths)."""
+    uri = find_file(root, [*CARS_ANNOS, CARS_DEVKIT], f"Cars-196 at {root}")
+    devkit = posixpath.basename(uri) == posixpath.basename(CARS_DEVKIT)
+    entries, names = _cars_devkit(root, uri) if devkit else _cars_annos(uri)
+    classes = [str(i) for i in range(1, len(names) + 1)]
+    return half_split_listing(name, "cars", root, entries, classes, dict(zip(classes, names, strict=True)))
+
+
+def _cars_annos(uri: str) -> tuple[list[Entry], list[str]]:
+    """cars_annos.mat: every image's relative_im_path and 1-based class; class_names."""
     mat = _loadmat(uri)
     annotations = _mat_field(mat, "annotations", uri)
     names = [str(n) for n in _mat_field(mat, "class_names", uri)]
@@ -105,8 +119,29 @@ def convert_cars(root: str, name: str = "cars") -> DatasetListing:
         entries = [Entry(str(a.relative_im_path), str(int(getattr(a, "class")))) for a in annotations]
     except AttributeError as exc:
         raise LayoutError(f"{uri}: annotations need fields relative_im_path and class ({exc})") from exc
-    classes = [str(i) for i in range(1, len(names) + 1)]
-    return half_split_listing(name, "cars", root, entries, classes, dict(zip(classes, names, strict=True)))
+    return entries, names
+
+
+def _cars_devkit(root: str, train_uri: str) -> tuple[list[Entry], list[str]]:
+    """The devkit layout: devkit/cars_train_annos.mat (fname in cars_train/, 1-based class) and
+    cars_test_annos_withlabels.mat (cars_test/; next to devkit/ or inside it); devkit/cars_meta.mat's
+    class_names. The release's image-level train / test split is ignored, as cars_annos.mat's is."""
+    where = f"Cars-196 devkit layout at {root}"
+    test_uri = find_file(root, ["cars_test_annos_withlabels.mat", "devkit/cars_test_annos_withlabels.mat"],
+                         f"{where} (the test images' labels: devkit/cars_test_annos.mat has none)")
+    meta_uri = find_file(root, ["devkit/cars_meta.mat", "cars_meta.mat"], f"{where} (the class names)")
+    names = [str(n) for n in _mat_field(_loadmat(meta_uri), "class_names", meta_uri)]
+    return _cars_fname_entries(train_uri, "cars_train") + _cars_fname_entries(test_uri, "cars_test"), names
+
+
+def _cars_fname_entries(uri: str, folder: str) -> list[Entry]:
+    """A devkit annotation file's images (``fname`` under ``folder``) with their 1-based class."""
+    annotations = _mat_field(_loadmat(uri), "annotations", uri)
+    try:
+        return [Entry(posixpath.join(folder, str(a.fname)), str(int(getattr(a, "class"))))
+                for a in annotations]
+    except AttributeError as exc:
+        raise LayoutError(f"{uri}: annotations need fields fname and class ({exc})") from exc
 
 
 # ----------------------------------------------------------------------------- Stanford Dogs, Flowers-102

@@ -1,4 +1,5 @@
-"""Stochastic adapters (paper Eq. 4-5), two per selected block, injected into a timm ViT.
+"""Stochastic adapters (paper Eq. 4-5), two per selected block, injected into a timm ViT; their
+low-rank branch (``LowRankBranch``) is LoRA's too.
 
 In a block with adapters (each adapter fed the same LayerNorm output as its sub-block):
 
@@ -18,6 +19,7 @@ submodules and a forward), so pretrained weights still load strict into the plai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -33,30 +35,43 @@ def sample_keep_mask(x: torch.Tensor, keep_prob: float) -> torch.Tensor:
     return x.new_empty(shape).bernoulli_(keep_prob).div_(keep_prob)
 
 
-class StochasticAdapter(nn.Module):
-    """x @ W_down -> ReLU -> @ W_up -> * scale; in training kept per sample with probability keep_prob.
+class LowRankBranch(nn.Module):
+    """x @ down -> activation -> @ up -> * scale; in training kept per sample with probability keep_prob.
 
-    Training multiplies the output by Bernoulli(keep_prob) / keep_prob drawn per sample (B, 1, 1)
-    (inverted dropout, timm DropPath with drop = 1 - keep_prob); eval always adds it, unscaled.
-    ``keep_prob = 1`` is the static (AdaptFormer-like) adapter.
+    The one implementation of the stochastic adapter (ReLU, Eq. 4-5) and of the (stochastic) LoRA
+    branch (no activation, puma/models/lora.py). Training multiplies the output by Bernoulli(keep_prob)
+    / keep_prob drawn per sample (B, 1, 1) (inverted dropout, timm DropPath with drop = 1 - keep_prob);
+    eval always adds it, unscaled. ``keep_prob = 1`` is the static branch.
     """
 
-    def __init__(self, dim: int, rank: int, keep_prob: float, scale: float = 0.1) -> None:
+    def __init__(self, in_dim: int, out_dim: int, rank: int, keep_prob: float, scale: float,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         if not 0.0 < keep_prob <= 1.0:
             raise ValueError(f"keep_prob={keep_prob!r} is out of range; valid: 0 < keep_prob <= 1")
         self.keep_prob = keep_prob
         self.scale = scale
-        self.down = nn.Parameter(torch.empty(dim, rank))  # W_down (D, r)
-        self.up = nn.Parameter(torch.zeros(rank, dim))  # W_up (r, D), zero: the adapter starts as a no-op
-        # the released code's he_uniform (a=1) on the (D, r) tensor: U(-sqrt(3 / r), sqrt(3 / r))
+        self.activation = activation
+        self.down = nn.Parameter(torch.empty(in_dim, rank))  # W_down / A (D_in, r)
+        self.up = nn.Parameter(torch.zeros(rank, out_dim))  # W_up / B (r, D_out), zero: starts as a no-op
+        # the released code's he_uniform (a=1) on the (D_in, r) tensor: U(-sqrt(3 / r), sqrt(3 / r))
         nn.init.kaiming_uniform_(self.down, a=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(x @ self.down) @ self.up * self.scale  # (B, N, D) -> (B, N, r) -> (B, N, D)
+        h = x @ self.down  # (B, N, D_in) -> (B, N, r)
+        if self.activation is not None:
+            h = self.activation(h)
+        out = h @ self.up * self.scale  # (B, N, r) -> (B, N, D_out)
         if self.training and self.keep_prob < 1.0:
             out = out * sample_keep_mask(x, self.keep_prob)
         return out
+
+
+class StochasticAdapter(LowRankBranch):
+    """The stochastic adapter: x @ W_down -> ReLU -> @ W_up -> * scale, W_down (D, r), W_up (r, D)."""
+
+    def __init__(self, dim: int, rank: int, keep_prob: float, scale: float = 0.1) -> None:
+        super().__init__(dim, dim, rank, keep_prob, scale, activation=torch.relu)
 
     def extra_repr(self) -> str:
         dim, rank = self.down.shape

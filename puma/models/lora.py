@@ -24,30 +24,18 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from puma.config import ConfigError, LoraConfig
-from puma.models.adapter import sample_keep_mask, select_blocks
+from puma.models.adapter import LowRankBranch, select_blocks
 
 QKV_CHUNKS = ("q", "k", "v")
 
 
-class LoraBranch(nn.Module):
-    """x @ A -> @ B -> * scale; in training kept per sample with probability keep_prob."""
+class LoraBranch(LowRankBranch):
+    """A LoRA branch: x @ A -> @ B -> * scale, A (D_in, r), B (r, D_chunk); the adapter's branch without
+    its ReLU, in training kept per sample with probability keep_prob."""
 
     def __init__(self, in_dim: int, out_dim: int, rank: int, keep_prob: float = 1.0,
                  scale: float = 1.0) -> None:
-        super().__init__()
-        if not 0.0 < keep_prob <= 1.0:
-            raise ValueError(f"keep_prob={keep_prob!r} is out of range; valid: 0 < keep_prob <= 1")
-        self.keep_prob = keep_prob
-        self.scale = scale
-        self.down = nn.Parameter(torch.empty(in_dim, rank))  # A (D_in, r)
-        self.up = nn.Parameter(torch.zeros(rank, out_dim))  # B (r, D_chunk), zero: starts as a no-op
-        nn.init.kaiming_uniform_(self.down, a=1)  # U(-sqrt(3 / r), sqrt(3 / r)), as the adapters' W_down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = (x @ self.down) @ self.up * self.scale  # (B, N, D_in) -> (B, N, r) -> (B, N, D_chunk)
-        if self.training and self.keep_prob < 1.0:
-            out = out * sample_keep_mask(x, self.keep_prob)
-        return out
+        super().__init__(in_dim, out_dim, rank, keep_prob, scale)
 
     def extra_repr(self) -> str:
         (in_dim, rank), out_dim = self.down.shape, self.up.shape[1]
