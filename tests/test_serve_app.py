@@ -244,7 +244,8 @@ def test_prometheus_counts_every_request_by_route_kind_and_status(service, tmp_p
         # the stages: a model forward per image query, an index search per answered query
         assert prometheus.value('sum(ray_puma_stage_seconds_count{stage="model"})') == sent["image"]
         assert prometheus.value('sum(ray_puma_stage_seconds_count{stage="index"})') == sum(sent.values())
-        assert prometheus.value("sum(ray_puma_model_batch_size_count)") == sent["image"]  # one at a time
+        # recorded by the model's replica: exported on its own schedule, so waited for
+        prometheus.wait_for("sum(ray_puma_model_batch_size_count)", lambda v: v == sent["image"])  # 1 a batch
         assert prometheus.value('sum(ray_puma_model_batch_size_bucket{le="1.0"})') == sent["image"]
         assert prometheus.value('sum(ray_puma_filter_columns_total{column="dataset"})') == 1
         assert prometheus.value("sum(ray_puma_filter_columns_total)") == 1  # not the refused filter's
