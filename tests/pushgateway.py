@@ -9,20 +9,14 @@ metrics the dashboard and the alert rules use (each job's test checks its push h
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus import _free_port, stop_process
 from prometheus_client.parser import text_string_to_metric_families
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pushgateway:
@@ -65,13 +59,7 @@ class Pushgateway:
         return found[0] if found else None
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def used_by_monitoring(prefix: str) -> set[str]:
