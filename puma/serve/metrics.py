@@ -83,6 +83,8 @@ class ServiceMetrics:
         if not self.enabled:
             return
         tags = {"route": route, "kind": kind}
+        if self._live is not None:  # Ray's agent drops a gauge not exported for two intervals: kept fresh
+            self.version.set(1, tags={"version": self._live[0], "model_id": self._live[1]})
         self.requests.inc(1, tags={**tags, "status": str(status)})
         self.latency.observe(seconds, tags=tags)
         self.seconds.inc(seconds, tags=tags)
