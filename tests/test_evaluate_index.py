@@ -169,6 +169,7 @@ def prepared_test_split(prepared: str) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+@pytest.mark.budget(150)  # embeds the test split with Ray Data, then evaluates (31-34 s; 94 s on CI)
 def test_evaluate_job_embeds_the_test_split_and_equals_core_metrics(ray_cluster, cub_tree, tmp_path, capsys):
     """`jobs/evaluate.py --embed`: real images -> tiny checkpoint -> index -> the core metrics, to 1e-5."""
     cub_tree(tmp_path / "raw_cub", num_classes=4, per_class=4)

@@ -56,7 +56,8 @@ def _job_lines(result: Result) -> list[str]:
 
 
 # the set-up check and one jobs/train.py run with its own local Ray, then a resume with --verbose
-@pytest.mark.budget(240)
+# (59 s alone; 225-300 s under two workers here, 252 s on CI)
+@pytest.mark.budget(360)
 def test_the_readme_command_trains_the_default_with_our_lines_once_and_no_ray_noise(trained):
     checkout, result = trained
     assert result.returncode == 0, result.output[-4000:]
@@ -97,7 +98,7 @@ def _run_after_training(trained: tuple[Checkout, Result], block: str) -> Checkou
     return checkout
 
 
-@pytest.mark.budget(150)
+@pytest.mark.budget(220)  # evaluate, search, report: three jobs (28 s alone; 95-151 s under two workers)
 def test_getting_started_evaluates_searches_and_reports_the_trained_run(trained):
     checkout = _run_after_training(trained, GUIDE["first-steps"])
     index = checkout.path / "artifacts" / "index" / "demo"
@@ -130,8 +131,9 @@ def _wait_for_free(ports: list[int], seconds: float = 60) -> None:
         time.sleep(1)
 
 
-# a server start and four jobs, each with its own local Ray, all on S3
-@pytest.mark.budget(240)
+# a server start and four jobs, each with its own local Ray, all on S3 (100 s alone; 191-251 s under
+# two workers, here and on CI)
+@pytest.mark.budget(360)
 def test_the_object_storage_walk_through_keeps_everything_in_the_bucket(tmp_path):
     checkout = Checkout(tmp_path)
     shutil.rmtree(S3_DIR, ignore_errors=True)

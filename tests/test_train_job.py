@@ -126,7 +126,7 @@ def reloads_and_reproduces_embeddings(outcome, tmp_path: Path) -> None:
         load_model(outcome.best_checkpoint, backbone_weights=str(other))
 
 
-@pytest.mark.budget(130)  # a run, a resumed run, checkpoint reloads, all on S3 (39-64 s)
+@pytest.mark.budget(220)  # a run, a resumed run, checkpoint reloads, all on S3 (39-110 s; 164 s on CI)
 def test_a_run_on_s3_reloads_its_checkpoints_and_continues_from_the_newest_complete_one_when_ray_has_none(
         ray_cluster, s3_server, s3_storage, tiny_data, tmp_path):
     """Runs and checkpoints on a real S3 server. After two epochs the best and last checkpoints reload
