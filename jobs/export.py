@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     from puma.checkpoint import best_checkpoint_uri
     from puma.export import export_onnx, int8_agreement, quantize_int8
 
-    storage.configure(cfg.storage)
     checkpoint = args.checkpoint or best_checkpoint_uri(cfg)
     int8_out = args.out.removesuffix(".onnx") + ".int8.onnx"
     storage.preflight(cfg.storage, inputs=[checkpoint], outputs=[args.out] + [int8_out] * args.int8)

@@ -55,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.action} needs {flag}", file=sys.stderr)
         return 2
     from puma import storage
-    from puma.config import absolute_paths
 
-    cfg = absolute_paths(cfg)
-    storage.configure(cfg.storage)
     storage.preflight(cfg.storage, inputs=[cfg.index.uri])
     return ACTION_FUNCTIONS[args.action](cfg, args)
 

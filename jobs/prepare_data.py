@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     from puma import storage
     from puma.data.prepare import job_specs, prepare, print_report
 
-    storage.configure(cfg.storage)
     preset = args.preset or cfg.data.preset or "demo"
     out = args.out or cfg.data.uri
     specs = job_specs(cfg, preset, args.source, args.name, args.class_depth)

@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     from puma.index.versions import recorded_checkpoint, resolve
     from puma.inference.search import run_search
 
-    storage.configure(cfg.storage)
     checkpoint = args.checkpoint or (recorded_checkpoint(cfg.index.uri) if args.image else "") or \
         best_checkpoint_uri(cfg)
     storage.preflight(cfg.storage, inputs=[cfg.index.uri, args.queries, *args.image, args.filter_file,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from puma import console, storage
-from puma.config import Config, dump_yaml, help_config_lines
+from puma.config import Config, dump_yaml, for_this_process, help_config_lines
 from puma.errors import one_line, user_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,8 @@ def resolve_config(args: argparse.Namespace, model_checks: bool = True) -> Confi
 
 def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None,
                    model_checks: bool = True) -> tuple[argparse.Namespace, Config | None]:
-    """Parse argv; returns (args, None) when the job should exit early (help printed, bad config).
+    """Parse argv; returns (args, None) when the job should exit early (help printed, bad config), else
+    the config as this process works with it (``for_this_process``: absolute paths, storage configured).
     ``model_checks``: run the configured method's checks (see resolve_config)."""
     args = parse_command_line(parser, argv)
     console.set_verbose(args.verbose)
@@ -74,7 +75,7 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None,
     if args.print_config:
         print(dump_yaml(cfg))
         return args, None
-    return args, cfg
+    return args, for_this_process(cfg)  # once per process, here: absolute paths, storage configured
 
 
 def run_job(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -43,10 +43,10 @@ def test_options_and_overrides_in_any_order(argv):
 
 
 def test_an_option_value_that_looks_like_an_override_stays_the_options():
-    args, cfg = parse_job_args(embed_like_parser(), ["embed.checkpoint=a", "--catalogue", "x=y",
-                                                     "embed.checkpoint=b"], model_checks=False)
-    assert args.catalogue == ["x=y"] and args.overrides == ["embed.checkpoint=a", "embed.checkpoint=b"]
-    assert cfg.embed.checkpoint == "b"  # the last override of a key wins, as before
+    args, cfg = parse_job_args(embed_like_parser(), ["embed.checkpoint=/a", "--catalogue", "x=y",
+                                                     "embed.checkpoint=/b"], model_checks=False)
+    assert args.catalogue == ["x=y"] and args.overrides == ["embed.checkpoint=/a", "embed.checkpoint=/b"]
+    assert cfg.embed.checkpoint == "/b"  # the last override of a key wins, as before
 
 
 def test_the_embed_job_takes_an_override_after_an_option():
@@ -69,3 +69,41 @@ def test_every_job_imports_and_takes_overrides_around_its_options(module, capsys
     assert job.main(["train.epochs=5", "--print-config", "index.nprobe=7"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert (printed["train"]["epochs"], printed["index"]["nprobe"]) == (5, 7)
+
+
+def test_the_entry_point_makes_paths_absolute_and_configures_storage_once(tmp_path, monkeypatch):
+    """parse_job_args hands the job its config as this process works with it: relative paths from the
+    working directory, storage configured with the config's settings; the library functions that call
+    for_this_process again on it change nothing and keep the S3 clients made since."""
+    from puma import storage
+    from puma.config import for_this_process
+    from puma.storage import settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(settings, "_configured", False)
+    endpoint = "http://127.0.0.1:1"
+    _, cfg = parse_job_args(embed_like_parser(), ["index.uri=idx", f"storage.endpoint_url={endpoint}",
+                                                  "data.uri=s3://bucket/data"], model_checks=False)
+    assert cfg.index.uri == str(tmp_path / "idx") and cfg.data.uri == "s3://bucket/data"
+    assert storage.configured() and storage.s3_endpoint() == endpoint
+    settings.fs_cache[("held",)] = "a client"  # as an S3 filesystem made since would be
+    assert for_this_process(cfg) == cfg and settings.fs_cache == {("held",): "a client"}
+    other = for_this_process(parse_job_args(embed_like_parser(), ["storage.endpoint_url=http://127.0.0.1:2"],
+                                            model_checks=False)[1])
+    assert storage.s3_endpoint() == "http://127.0.0.1:2" and settings.fs_cache == {}, other.storage
+
+
+def test_new_credentials_in_the_environment_configure_storage_again(monkeypatch):
+    """A process that calls jobs one after another under other AWS credentials gets new S3 clients."""
+    from puma import storage
+    from puma.config import StorageConfig
+    from puma.storage import settings
+
+    settings_now = StorageConfig(endpoint_url="http://127.0.0.1:1")
+    storage.configure_once(settings_now)
+    settings.fs_cache[("held",)] = "a client"
+    storage.configure_once(settings_now)
+    assert settings.fs_cache == {("held",): "a client"}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone-else")
+    storage.configure_once(settings_now)
+    assert settings.fs_cache == {}

@@ -31,6 +31,7 @@ from puma.config.loader import (
     Config,
     absolute_paths,
     dump_yaml,
+    for_this_process,
     from_dict,
     load_config,
     parse_override,
@@ -69,6 +70,7 @@ __all__ = [
     "EmbedConfig", "EvalConfig", "HeadConfig", "IndexConfig", "LoraConfig", "LossConfig", "MetricsConfig",
     "ModelConfig", "OptimConfig", "PromptPoolConfig", "RetryConfig", "ServeConfig", "StorageConfig",
     "SweepConfig", "TrainConfig", "UdmlSsConfig", "VptConfig", "VptspgConfig", "absolute_paths",
-    "describe_keys", "dump_yaml", "field_docs", "from_dict", "help_config_lines", "load_config",
+    "describe_keys", "dump_yaml", "field_docs", "for_this_process", "from_dict", "help_config_lines",
+    "load_config",
     "parse_override", "set_dotted", "to_dict", "valid_keys",
 ]

@@ -268,3 +268,15 @@ def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
                 and not Path(value).is_absolute():
             node[leaf] = str((root / value).resolve())
     return from_dict(data)
+
+
+def for_this_process(cfg: Config) -> Config:
+    """The config as this process works with it: its relative local paths made absolute (from the
+    working directory: Ray workers run in other ones) and storage configured with its settings.
+
+    A job's entry point calls it once (``puma.cli.parse_job_args``); the library functions a job calls,
+    which a test or a notebook may call directly, call it on what they are given: on a config it has
+    already returned it changes nothing, and storage is configured again only if the settings differ."""
+    cfg = absolute_paths(cfg)
+    storage.configure_once(cfg.storage)
+    return cfg

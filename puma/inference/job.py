@@ -45,8 +45,8 @@ embedded splits) are listed there too. Listed new items are not re-tried by late
 embed.retry_rejects is set; a changed item is always read again.
 
 Setup: each public entry (embed_catalogue, embed_catalogues, watch, remove_catalogue) makes the
-config's paths absolute and configures storage once (``puma.inference.run.job_config``) and hands
-the result on to the steps below it.
+config's paths absolute and configures storage (``puma.config.for_this_process``; free again on a
+config it returned, e.g. from the job's entry point) and hands the result on to the steps below it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import time
 
 from puma import storage
 from puma.checkpoint import checkpoint_id, configured_checkpoint
-from puma.config import Config
+from puma.config import Config, for_this_process
 from puma.data.rejects import read_rejects, reject_counts
 from puma.errors import UserError
 from puma.index import read_manifest
@@ -66,7 +66,7 @@ from puma.inference.catalogue import catalogue_name, list_catalogues
 from puma.inference.commits import final_commit
 from puma.inference.planning import what_to_embed
 from puma.inference.rejects import rejects_uri
-from puma.inference.run import EmbedReport, Run, check_model, job_config, prepare_run, report_dict
+from puma.inference.run import EmbedReport, Run, check_model, prepare_run, report_dict
 from puma.inference.running import embed_todo
 from puma.inference.versions import live_catalogues_for, remove_catalogue, settle_version
 from puma.job_metrics import push_embed
@@ -87,7 +87,7 @@ def embed_catalogue(cfg: Config, catalogue: str, *, index_uri: str | None = None
     live when it may go live (see the module doc); embed_catalogues settles once, after every catalogue.
     """
     start = time.monotonic()
-    cfg = job_config(cfg)
+    cfg = for_this_process(cfg)
     ckpt = configured_checkpoint(cfg, checkpoint)
     index_uri, split = index_uri or cfg.index.uri, split or cfg.embed.split
     return _embed_catalogue(cfg, catalogue, index_uri, ckpt, split, settle, start)
@@ -98,7 +98,7 @@ def embed_catalogues(cfg: Config, catalogues: list[str], *, checkpoint: str | No
     """Reconcile each catalogue; with a model that is not the live one, every live catalogue too,
     then make the new version live when it holds them all. ``keep_going``: a catalogue that fails
     (bad layout, incompatible index) is reported with its error and the others still run."""
-    return _embed_catalogues(job_config(cfg), catalogues, checkpoint, keep_going)
+    return _embed_catalogues(for_this_process(cfg), catalogues, checkpoint, keep_going)
 
 
 def watch(cfg: Config, prefix: str) -> list[EmbedReport]:
@@ -107,13 +107,13 @@ def watch(cfg: Config, prefix: str) -> list[EmbedReport]:
     A catalogue that fails (bad layout, incompatible index) is reported with its error and the
     others still run.
     """
-    cfg = job_config(cfg)
+    cfg = for_this_process(cfg)
     return _embed_catalogues(cfg, list_catalogues(prefix), None, keep_going=True)
 
 
 def _embed_catalogues(cfg: Config, catalogues: list[str], checkpoint: str | None,
                       keep_going: bool) -> list[EmbedReport]:
-    """embed_catalogues with ``cfg`` from job_config."""
+    """embed_catalogues with ``cfg`` from for_this_process."""
     location = storage.absolute(cfg.index.uri)
     ckpt = configured_checkpoint(cfg, checkpoint)
     todo = [storage.absolute(c) for c in catalogues]
@@ -141,7 +141,7 @@ def _embed_catalogues(cfg: Config, catalogues: list[str], checkpoint: str | None
 
 def _embed_catalogue(cfg: Config, catalogue: str, index_uri: str, checkpoint: str, split: str,
                      settle: bool, start: float) -> EmbedReport:
-    """embed_catalogue with ``cfg`` from job_config and the checkpoint found."""
+    """embed_catalogue with ``cfg`` from for_this_process and the checkpoint found."""
     run = prepare_run(cfg, storage.absolute(catalogue), storage.absolute(index_uri), checkpoint)
     _reconcile(run, split)
     _finish(run)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from puma import storage
 from puma.checkpoint import checkpoint_id, read_checkpoint, resolve_checkpoint
-from puma.config import Config, absolute_paths
+from puma.config import Config
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.index.layout import IndexLocation
 from puma.index.manifest import now
@@ -81,15 +81,6 @@ class EmbedReport:
 def report_dict(report: EmbedReport) -> dict:
     """The report as plain data (JSON)."""
     return dataclasses.asdict(report)
-
-
-def job_config(cfg: Config) -> Config:
-    """The config the embedding job works with: its relative local paths made absolute (from the working
-    directory) and storage configured with it in this process. Each public entry of the job calls it once
-    and hands the result on; calling it again on its result changes nothing."""
-    cfg = absolute_paths(cfg)
-    storage.configure(cfg.storage)
-    return cfg
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from puma import storage
 from puma.checkpoint import checkpoint_id, resolve_checkpoint
-from puma.config import Config
+from puma.config import Config, for_this_process
 from puma.index import read_manifest
 from puma.index.build import commit_changes, compact
 from puma.index.manifest import Manifest, has_manifest, now
@@ -32,7 +32,6 @@ from puma.index.versions import (
 )
 from puma.inference.catalogue import CatalogueError
 from puma.inference.reconcile import live_items
-from puma.inference.run import job_config
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ def settle_version(cfg: Config, location: str, version: str) -> str:
 def remove_catalogue(cfg: Config, catalogue: str) -> list[dict]:
     """Remove every item of ``catalogue`` from every version at index.uri (one commit per version,
     then compaction); returns one record per version that held it."""
-    cfg = job_config(cfg)
+    cfg = for_this_process(cfg)
     location = storage.absolute(cfg.index.uri)
     catalogue = storage.absolute(catalogue)
     uris = [location] if is_legacy(location) else [v.uri for v in list_versions(location)]

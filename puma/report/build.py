@@ -18,7 +18,7 @@ import numpy as np
 
 from puma import console, storage
 from puma.checkpoint import load_model, read_checkpoint
-from puma.config import Config, absolute_paths, dump_yaml
+from puma.config import Config, dump_yaml, for_this_process
 from puma.inference.grid import retrieval_grid, write_grid
 from puma.report import data, embeddings, figures
 from puma.report.page import THIS_RUN, ZERO_SHOT, PageContent, Picture, Section, render
@@ -92,8 +92,7 @@ def resolve_inputs(cfg: Config, options: data.ReportOptions) -> Inputs:
 
 def build_report(cfg: Config, options: data.ReportOptions) -> ReportOutcome:
     """Evaluate the run's checkpoint through the index and write the page, its PNGs and report.json."""
-    cfg = absolute_paths(cfg)
-    storage.configure(cfg.storage)
+    cfg = for_this_process(cfg)
     inputs = resolve_inputs(cfg, options)
     console.say(f"report on {inputs.checkpoint}")
     state = read_checkpoint(inputs.checkpoint)

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from puma import storage
-from puma.config import Config, absolute_paths
+from puma.config import Config, for_this_process
 from puma.data.images import ViewSpec, eval_view_spec
 from puma.index.manifest import Manifest, read_manifest
 from puma.index.plan import IndexInputError
@@ -53,8 +53,7 @@ class ServicePlan:
 
 def plan_service(cfg: Config) -> ServicePlan:
     """Check the index and the checkpoint against each other (storage only: no Ray, no replicas)."""
-    cfg = absolute_paths(cfg)
-    storage.configure(cfg.storage)
+    cfg = for_this_process(cfg)
     try:
         alias = read_alias(cfg.index.uri)
         manifest = read_manifest(resolve(cfg.index.uri))

@@ -88,7 +88,7 @@ def start_service(cfg: Config, plan: ServicePlan | None = None) -> RunningServic
     if plan is None:
         plan = plan_service(cfg)
     else:
-        storage.configure(plan.cfg.storage)
+        storage.configure_once(plan.cfg.storage)
     s = plan.cfg.serve
     local = not os.environ.get("RAY_ADDRESS")
     if local:

@@ -20,7 +20,7 @@ import yaml
 
 from puma import console, storage
 from puma.cli import REPO_ROOT
-from puma.config import Config, ConfigError, absolute_paths, to_dict
+from puma.config import Config, ConfigError, for_this_process, to_dict
 from puma.sweep.space import (
     SearchSpace,
     check_against_config,
@@ -63,9 +63,8 @@ def plan_sweep(cfg: Config) -> SweepPlan:
     """Read the space and validate it, the schedule and the metric against ``cfg``; no Ray here."""
     from puma.methods import check_config  # torch and every method: only once a sweep is planned
 
-    resolved = absolute_paths(cfg)
+    resolved = for_this_process(cfg)
     check_config(resolved)
-    storage.configure(resolved.storage)
     space = read_space(resolved.sweep.space_file or str(DEFAULT_SPACE))
     check_against_config(space, resolved)
     points = grid_points(space)
@@ -99,7 +98,7 @@ def run_sweep(plan: SweepPlan, callbacks: list | None = None):
     from puma.sweep.progress import TAG, SweepProgress, TrialMetrics
     from puma.sweep.report import write_results
 
-    storage.configure(plan.resolved.storage)
+    storage.configure_once(plan.resolved.storage)
     ensure_prepared(plan.resolved)  # once, here: concurrent trials must not race to build the data
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", SNAPSHOT_PERIOD_S)
     console.show_remote(progress=False, tags=(TAG,))  # trials, not every trial's epochs

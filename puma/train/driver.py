@@ -13,7 +13,7 @@ from ray.train.torch import TorchTrainer
 
 from puma import console, storage
 from puma.checkpoint import has_checkpoint, newest_complete, read_meta
-from puma.config import Config, ConfigError, absolute_paths, to_dict
+from puma.config import Config, ConfigError, for_this_process, to_dict
 from puma.errors import UserError
 from puma.methods import METHODS, check_config, get_method
 from puma.run_folder import RunFolder
@@ -174,9 +174,8 @@ def check_inputs(cfg: Config) -> Config:
     from puma.methods import build_model
     from puma.models.backbone import check_weights_file
 
-    cfg = absolute_paths(cfg)
+    cfg = for_this_process(cfg)
     check_config(cfg)
-    storage.configure(cfg.storage)
     check_weights_file(cfg.model.backbone.weights)
     model = build_model(cfg.model)  # a few seconds for a ViT-S on CPU; the model itself is not kept
     check_worker_build(cfg, model)
