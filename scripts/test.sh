@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# our modules' byte-code, once: the suite starts hundreds of Python processes (Ray workers, jobs), and
+# where PYTHONDONTWRITEBYTECODE is set (as on CI's machines) each would compile them from source again
+.venv/bin/python -m compileall -q -j 0 puma jobs tune tests >/dev/null
 .venv/bin/ruff check .
 # the user guide: a broken link, a page missing from the nav or a stale config reference fails here
 site=$(mktemp -d)

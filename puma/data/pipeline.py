@@ -61,7 +61,8 @@ from puma.data.images import (
     worker_columns,
 )
 from puma.data.manifest import DataNotPreparedError, Manifest
-from puma.data.rejects import Reject, dumps, read_rejects, reject_counts
+from puma.data.reject_log import RejectLog
+from puma.data.rejects import Reject, read_rejects
 from puma.data.splits import LabelMap, global_label_map, label_range
 from puma.run_folder import RunFolder
 
@@ -73,33 +74,6 @@ READ_COLUMNS = [schema.ITEM_ID, schema.DATASET, schema.LABEL, schema.SPLIT, sche
 
 
 # ----------------------------------------------------------------------------- rejects
-
-
-@ray.remote(num_cpus=0)
-class RejectLog:
-    """Collects rejects from decode tasks, one row per item id, and keeps the rejects file current."""
-
-    def __init__(self, uri: str, storage_cfg, initial: Sequence[dict]) -> None:
-        storage.configure(storage_cfg)
-        self._uri = uri
-        self._rows: dict[str, dict] = {}
-        self.record(list(initial), force=True)
-
-    def record(self, rows: Sequence[dict], force: bool = False) -> int:
-        """Add rows; rewrite the file if any item is new. Returns the number of new items."""
-        new = [r for r in rows if r["item_id"] not in self._rows]
-        for row in new:
-            self._rows[row["item_id"]] = row
-        if new or force:
-            storage.write_text(self._uri, dumps(self._rows.values()))
-        if new:
-            counts = reject_counts(self._rows.values())
-            print(f"[puma.data] {len(self._rows)} rejected image(s) so far {counts} -> {self._uri}",
-                  flush=True)
-        return len(new)
-
-    def rows(self) -> list[dict]:
-        return [self._rows[k] for k in sorted(self._rows)]
 
 
 def rejects_uri(cfg) -> str:

@@ -83,7 +83,7 @@ def _forget_fixed(uri: str, todo: pa.Table, catalogue: str) -> set[str]:
 def reject_log(uri: str):
     """The RejectLog actor of the rejects file ``uri``, seeded with what earlier runs listed: the Ray Data
     decode tasks record their rejects with it."""
-    from puma.data.pipeline import RejectLog
+    from puma.data.reject_log import RejectLog
 
     name = "puma-embed-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16]
     return RejectLog.options(name=name, get_if_exists=True).remote(uri, storage.current_config(),

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from puma.losses.curricularface import check_embeddings_labels
+from puma.losses.checks import check_embeddings_labels
 
 PA_MARGIN, PA_ALPHA = 0.1, 32.0
 BANK_PREFIX = "class_prompts."

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from pytorch_metric_learning.losses import CrossBatchMemory
 
-from puma.losses.curricularface import LossInputError
+from puma.losses.checks import LossInputError
 
 
 class CrossBatchMemoryLoss(CrossBatchMemory):

@@ -29,7 +29,6 @@ from torch import nn
 
 from puma.config import Config, ConfigError, ModelConfig
 from puma.distributed import gather_labels, gather_with_grad
-from puma.losses import build_loss
 from puma.models.puma_model import PumaModel
 from puma.models.trainable import PARTS
 
@@ -79,6 +78,8 @@ class TrainModule(nn.Module):
 
 def metric_loss_module(cfg: Config, model: PumaModel, num_classes: int) -> TrainModule:
     """The default train module: the model and ``build_loss(cfg.loss)`` over ``num_classes`` classes."""
+    from puma.losses import build_loss  # pytorch-metric-learning: only where a loss is built
+
     return TrainModule(model, build_loss(cfg.loss, num_classes, cfg.model.head.embed_dim))
 
 

@@ -21,20 +21,22 @@ no labels, so it trains on catalogues prepared without them; ``loss.*`` is not r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pytorch_metric_learning import losses, miners
 
 from puma.config import Config, ModelConfig, UdmlSsConfig
 from puma.data.pseudo_labels import PseudoLabels, embed_items
 from puma.distributed import gather_labels, gather_with_grad
-from puma.losses.factory import MetricLoss
 from puma.methods import puma
 from puma.methods.method import Method, Training, TrainModule, refuse_data_init
 from puma.models.rotation import draw_rotations, rotate_images
 from puma.models.udml_ss import UdmlSsModel
+
+if TYPE_CHECKING:  # the loss modules load where a loss is built (puma/losses/__init__.py)
+    from puma.losses.factory import MetricLoss
 
 
 def build(cfg: ModelConfig) -> UdmlSsModel:
@@ -45,6 +47,10 @@ def build(cfg: ModelConfig) -> UdmlSsModel:
 
 def build_ms_loss(cfg: UdmlSsConfig, embed_dim: int) -> MetricLoss:
     """Multi-similarity loss + miner with the MS paper's settings (UDML-SS section 3.3)."""
+    from pytorch_metric_learning import losses, miners
+
+    from puma.losses.factory import MetricLoss
+
     return MetricLoss(losses.MultiSimilarityLoss(alpha=cfg.ms_alpha, beta=cfg.ms_beta, base=cfg.ms_base),
                       miners.MultiSimilarityMiner(epsilon=cfg.ms_epsilon), embed_dim)
 
