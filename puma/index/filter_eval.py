@@ -22,6 +22,9 @@ from puma.index.filter_tree import And, Condition, Filter, Joined, Not, value_ki
 
 _COMPARE = {"eq": pc.equal, "ne": pc.not_equal, "gt": pc.greater, "gte": pc.greater_equal,
             "lt": pc.less, "lte": pc.less_equal}
+_NUMPY_COMPARE = {"eq": np.equal, "ne": np.not_equal, "gt": np.greater, "gte": np.greater_equal,
+                  "lt": np.less, "lte": np.less_equal}
+_INT64 = (-2 ** 63, 2 ** 63)
 
 
 def evaluate(f: Filter, table: pa.Table) -> np.ndarray:
@@ -53,7 +56,31 @@ def _chunk_rows(c: Condition, values: pa.Array) -> np.ndarray:
     if pa.types.is_dictionary(values.type):  # once per distinct value, then spread by the codes
         per_entry = pa.array(_chunk_rows(c, values.dictionary))
         return _true_rows(pc.take(per_entry, values.indices))
+    numeric = _numeric_rows(c, values)
+    if numeric is not None:
+        return numeric
     return _true_rows(_compared(c, values))
+
+
+def _numeric_rows(c: Condition, values: pa.Array) -> np.ndarray | None:
+    """A comparison of a signed-integer or float column with a number, in numpy on the column's own
+    buffer (a third of the time of Arrow's kernel and the unpacking of its result bitmap); missing
+    values match nothing, as in Arrow. None where Arrow decides: other types, 'in', 'exists', a value
+    beyond int64."""
+    kind = values.type
+    value = c.value
+    if c.op not in _NUMPY_COMPARE or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not (pa.types.is_signed_integer(kind) or pa.types.is_float32(kind) or pa.types.is_float64(kind)):
+        return None
+    if isinstance(value, int) and not _INT64[0] <= value < _INT64[1]:
+        return None
+    validity, data = values.buffers()
+    numbers = np.frombuffer(data, dtype=kind.to_pandas_dtype(), count=values.offset + len(values))
+    rows = _NUMPY_COMPARE[c.op](numbers[values.offset:], value)
+    if values.null_count:
+        rows &= _bits(validity, values.offset, len(values))
+    return rows
 
 
 def _present_rows(values: pa.Array) -> np.ndarray:
