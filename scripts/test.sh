@@ -18,6 +18,9 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
 rm -rf "$site"
 start=$(date +%s)
 status=0
-.venv/bin/python -m pytest -n "${PUMA_TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
+# --no-loadscope-reorder: modules go out in collection order, longest budget first (tests/budget.py);
+# xdist's default order by number of tests sent the few-test, long modules (two-node, quick starts,
+# sweep, killed runs) last, side by side, at loads of 20-33, with one worker alone at the end
+.venv/bin/python -m pytest -n "${PUMA_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 echo "tests: $(( $(date +%s) - start )) s on ${PUMA_TEST_WORKERS:-2} workers (exit status $status)"
 exit "$status"

@@ -23,8 +23,10 @@ phases of 20-33 where the two-node and quick-start tests meet), the budget grows
 A test that is slower by itself is still caught at the usual load, where the budget does not move.
 
 The budgets are also the schedule: modules run in the order of the largest budget they state,
-largest first (the rest keep their order after them), so under ``pytest -n 2 --dist loadfile``
-(scripts/test.sh) the long modules start first and no long one is left to run alone at the end.
+largest first (the rest keep their order after them), so under ``pytest -n 2 --dist loadfile
+--no-loadscope-reorder`` (scripts/test.sh) the long modules start first and no long one is left to
+run alone at the end. Without ``--no-loadscope-reorder`` xdist orders modules by their number of tests
+instead, which puts the long few-test modules last.
 """
 
 from __future__ import annotations
