@@ -61,11 +61,13 @@ def resolve_config(args: argparse.Namespace, model_checks: bool = True) -> Confi
     return load_config(args.config or default_config(), args.overrides)
 
 
-def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None,
-                   model_checks: bool = True) -> tuple[argparse.Namespace, Config | None]:
+def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None, model_checks: bool = True,
+                   as_given: bool = False) -> tuple[argparse.Namespace, Config | None]:
     """Parse argv; returns (args, None) when the job should exit early (help printed, bad config), else
     the config as this process works with it (``for_this_process``: absolute paths, storage configured).
-    ``model_checks``: run the configured method's checks (see resolve_config)."""
+    ``model_checks``: run the configured method's checks (see resolve_config). ``as_given``: the config
+    as the command line gave it, relative paths kept, for a job that writes it out again (the sweep's
+    best_config.yaml must run where the user runs jobs/train.py); that job resolves it itself."""
     args = parse_command_line(parser, argv)
     console.set_verbose(args.verbose)
     if args.help_config:
@@ -75,7 +77,7 @@ def parse_job_args(parser: argparse.ArgumentParser, argv: list[str] | None,
     if args.print_config:
         print(dump_yaml(cfg))
         return args, None
-    return args, for_this_process(cfg)  # once per process, here: absolute paths, storage configured
+    return args, cfg if as_given else for_this_process(cfg)  # once per process, here
 
 
 def run_job(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = job_parser(__doc__.splitlines()[0])
     parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     parser.add_argument("--space", help="search-space YAML (same as sweep.space_file=FILE)")
-    args, cfg = parse_job_args(parser, argv)
+    args, cfg = parse_job_args(parser, argv, as_given=True)  # plan_sweep resolves it; best_config keeps it
     if cfg is None:
         return 0
     from puma import storage
