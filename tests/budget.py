@@ -18,8 +18,8 @@ budget (e.g. 2 on a machine known to be twice as slow as CI's 2 cores; 0 turns t
 
 A crowded machine stretches the budget by itself: the load average is sampled every
 ``LOAD_SAMPLE_S`` while the test runs, and where its mean exceeds what the suite's two workers
-normally make (``NORMAL_LOAD_PER_CPU`` runnable processes per CPU: a mean of 12 on 2 CPUs, with
-phases of 20-33 where the two-node and quick-start tests meet), the budget grows by the same ratio.
+make at most (``NORMAL_LOAD_PER_CPU`` runnable processes per CPU: 12 on 2 CPUs, where a whole run
+averaged 8.2 and peaked at 16), the budget grows by the same ratio.
 A test that is slower by itself is still caught at the usual load, where the budget does not move.
 
 The budgets are also the schedule: modules run in the order of the largest budget they state,
@@ -38,7 +38,7 @@ import time
 import pytest
 
 DEFAULT_BUDGET_S = 90.0
-NORMAL_LOAD_PER_CPU = 6.0  # runnable processes per CPU under scripts/test.sh's two workers (mean)
+NORMAL_LOAD_PER_CPU = 6.0  # runnable processes per CPU that scripts/test.sh's two workers make
 LOAD_SAMPLE_S = 2.0
 _SPENT = pytest.StashKey[dict]()
 _STARTED = pytest.StashKey[float]()
