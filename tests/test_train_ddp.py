@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_images, tiny_model_config, train_module_state
@@ -48,6 +49,7 @@ def _worker(config: dict) -> None:
     ray.train.report({"done": 1})
 
 
+@pytest.mark.budget(150)  # two Ray Train fits, one and two workers (12-84 s)
 def test_two_workers_match_one_process(ray_cluster, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

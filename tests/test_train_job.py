@@ -170,7 +170,7 @@ def ray_head(tmp_path_factory):
         stop_node(head.pid)
 
 
-@pytest.mark.budget(120)  # `ray start --head`, then `ray job submit` of a tiny run (31-63 s)
+@pytest.mark.budget(180)  # `ray start --head`, then `ray job submit` of a tiny run (31-116 s)
 def test_ray_job_submit_runs_training(ray_head, tiny_data, tmp_path):
     address, ray_bin, env = ray_head.address, ray_head.ray_bin, ray_head.env
     config = tiny_config(tmp_path / "tiny.yaml", tiny_data, str(tmp_path / "runs"), epochs=1, run_name="job")
