@@ -71,7 +71,18 @@ def test_every_job_imports_and_takes_overrides_around_its_options(module, capsys
     assert (printed["train"]["epochs"], printed["index"]["nprobe"]) == (5, 7)
 
 
-def test_the_entry_point_makes_paths_absolute_and_configures_storage_once(tmp_path, monkeypatch):
+@pytest.fixture
+def default_storage_after():
+    """The process's storage settings back to the defaults after the test (as the s3_storage fixture does)."""
+    from puma import storage
+    from puma.config import StorageConfig
+
+    yield
+    storage.configure(StorageConfig())
+
+
+def test_the_entry_point_makes_paths_absolute_and_configures_storage_once(tmp_path, monkeypatch,
+                                                                           default_storage_after):
     """parse_job_args hands the job its config as this process works with it: relative paths from the
     working directory, storage configured with the config's settings; the library functions that call
     for_this_process again on it change nothing and keep the S3 clients made since."""
@@ -93,7 +104,7 @@ def test_the_entry_point_makes_paths_absolute_and_configures_storage_once(tmp_pa
     assert storage.s3_endpoint() == "http://127.0.0.1:2" and settings.fs_cache == {}, other.storage
 
 
-def test_new_credentials_in_the_environment_configure_storage_again(monkeypatch):
+def test_new_credentials_in_the_environment_configure_storage_again(monkeypatch, default_storage_after):
     """A process that calls jobs one after another under other AWS credentials gets new S3 clients."""
     from puma import storage
     from puma.config import StorageConfig

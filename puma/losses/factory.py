@@ -48,7 +48,8 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch import nn
 
 from puma.config import LOSS_NAMES, LossConfig
-from puma.losses.curricularface import CurricularFaceLoss, check_embeddings_labels
+from puma.losses.checks import check_embeddings_labels
+from puma.losses.curricularface import CurricularFaceLoss
 from puma.losses.hyperbolic import hyp_loss
 from puma.losses.xbm import CrossBatchMemoryLoss
 

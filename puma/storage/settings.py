@@ -49,7 +49,7 @@ class _S3Settings:
 
 in_force = _S3Settings()
 _configured = False  # configure() ran in this process: a Ray worker may not reach S3 before it has
-_environment: tuple = ()  # the AWS_* variables configure() ran under (credentials, endpoint, region)
+_applied: tuple = ()  # what configure() last applied: the settings and the AWS_* environment (_applied_key)
 fs_cache: dict[tuple, pafs.FileSystem] = {}  # filled by filesystems.py; emptied by configure
 
 
@@ -59,7 +59,7 @@ def configure(cfg) -> None:
     The settings travel with the work: a driver hands ``current_config()`` to each Ray task, actor or
     replica it starts, and that calls ``configure`` with it first. A Ray worker process that reaches
     S3 without having done so fails (StorageError) rather than use the default endpoint silently."""
-    global _configured, _environment
+    global _configured, _applied
     retry = cfg.retry
     in_force.endpoint_url = cfg.endpoint_url
     in_force.region = cfg.region
@@ -68,23 +68,21 @@ def configure(cfg) -> None:
                                  max_backoff_s=retry.max_backoff_s, max_elapsed_s=retry.max_elapsed_s)
     fs_cache.clear()
     _configured = True
-    _environment = _aws_environment()
+    _applied = _applied_key(cfg)
 
 
-def _aws_environment() -> tuple:
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+def _applied_key(cfg) -> tuple:
+    """The settings of ``cfg`` and the AWS_* environment (credentials, endpoint, region) they meet."""
+    retry = cfg.retry
+    return (cfg.endpoint_url, cfg.region, cfg.connect_timeout_s, retry.max_attempts, retry.initial_backoff_s,
+            retry.max_backoff_s, retry.max_elapsed_s,
+            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
 
 
 def configure_once(cfg) -> None:
     """``configure`` unless this process already runs with these very settings, under the same AWS_*
     environment (credentials, endpoint, region): then its S3 clients are kept."""
-    retry = cfg.retry
-    wanted = (cfg.endpoint_url, cfg.region, cfg.connect_timeout_s, retry.max_attempts,
-              retry.initial_backoff_s, retry.max_backoff_s, retry.max_elapsed_s)
-    now = in_force.retry
-    held = (in_force.endpoint_url, in_force.region, in_force.connect_timeout_s, now.max_attempts,
-            now.initial_backoff_s, now.max_backoff_s, now.max_elapsed_s)
-    if not _configured or wanted != held or _environment != _aws_environment():
+    if not _configured or _applied_key(cfg) != _applied:
         configure(cfg)
 
 
