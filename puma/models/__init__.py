@@ -2,24 +2,40 @@
 
 Nothing here knows about methods: each method's record (puma/methods/<name>.py) composes these
 blocks and declares what trains (``puma.methods.build_model`` builds the model of a config).
+
+The names below load on first use (as in ``puma.losses``): ``python -m puma.models.offline``, which
+scripts/setup.sh runs on every set-up, checks its file without importing torch and timm.
 """
 
-from puma.models.adapter import AdaptedBlock, StochasticAdapter, inject_adapters
-from puma.models.backbone import BackboneWeightsError, create_backbone, freeze_backbone, load_backbone_weights
-from puma.models.head import EmbeddingHead, MlpEmbeddingHead
-from puma.models.lora import LoraBranch, LoraLinear, inject_lora
-from puma.models.prompt_pool import PromptPool
-from puma.models.puma_model import PumaModel
-from puma.models.rotation import RotationHead
-from puma.models.trainable import (
-    PARTS,
-    count_trainable,
-    set_trainable,
-    trainable_parameter_groups,
-    trainable_state_dict,
-)
-from puma.models.udml_ss import UdmlSsModel
-from puma.models.vpt import VisualPrompts, VptModel
+from __future__ import annotations
+
+
+def __getattr__(name: str):  # one branch per module, naming what it exports
+    if name in ("AdaptedBlock", "StochasticAdapter", "inject_adapters"):
+        from puma.models import adapter as module
+    elif name in ("BackboneWeightsError", "create_backbone", "freeze_backbone", "load_backbone_weights"):
+        from puma.models import backbone as module
+    elif name in ("EmbeddingHead", "MlpEmbeddingHead"):
+        from puma.models import head as module
+    elif name in ("LoraBranch", "LoraLinear", "inject_lora"):
+        from puma.models import lora as module
+    elif name == "PromptPool":
+        from puma.models import prompt_pool as module
+    elif name == "PumaModel":
+        from puma.models import puma_model as module
+    elif name == "RotationHead":
+        from puma.models import rotation as module
+    elif name in ("PARTS", "count_trainable", "set_trainable", "trainable_parameter_groups",
+                  "trainable_state_dict"):
+        from puma.models import trainable as module
+    elif name == "UdmlSsModel":
+        from puma.models import udml_ss as module
+    elif name in ("VisualPrompts", "VptModel"):
+        from puma.models import vpt as module
+    else:
+        raise AttributeError(f"module 'puma.models' has no attribute {name!r}")
+    return getattr(module, name)
+
 
 __all__ = [
     "PARTS",

