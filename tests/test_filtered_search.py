@@ -377,3 +377,50 @@ def test_a_repeated_filter_scans_its_gathered_vectors_held_within_the_budget(tmp
     assert second.vectors is None and second.rows is not None  # past the budget: gathered at each scan
     assert holding.state.selection_bytes == first.vectors.nbytes == budget
     assert all(s[0].vectors is None for s in keeping_none.state.selections.values())
+
+
+BROAD = ({"dataset": "shoes"}, {"in_stock": True}, {"category": {"ne": "boots"}},
+         {"or": [{"category": "boots"}, {"stock": {"gte": 20}}]}, {"not": {"brand": "brand-3"}})
+
+
+@pytest.mark.parametrize("index_type", ["flat", "ivf_flat"])
+def test_a_broad_filter_filters_the_hits_of_an_unfiltered_search_as_the_selection_would(tmp_path, index_type):
+    """A filter keeping at least POST_FILTER_SHARE of the items is evaluated on an unfiltered search's
+    hits: where k of them pass, they equal the search with the selection over the same lists (on Flat:
+    the brute-force scan of the matching rows); a narrow filter is left to the selection."""
+    index, rng = built(tmp_path, index_type), np.random.default_rng(11)
+    vectors, answered = all_vectors(index), 0
+    for i in range(100):
+        where = parse_filter(BROAD[i % len(BROAD)])
+        mask = index.filter_mask(where)
+        assert index.filter_share(where) == pytest.approx(mask.sum() / index.live_total)  # every live row
+        assert mask.sum() >= filtered.POST_FILTER_SHARE * index.live_total, where
+        q, k = rng.standard_normal(DIM).astype(np.float32), int(rng.integers(1, 30))
+        found = index.search_post_filtered(q[None, :], k, where)
+        if found is None:
+            continue
+        answered += 1
+        _, selected = index.search_ids(q[None, :], k, allowed=index.select(mask), widen=False)
+        assert found[1][0].tolist() == selected[0].tolist(), (i, where)
+        if index_type == "flat":
+            assert found[1][0].tolist() == brute_force(vectors, mask, q, k), (i, where)
+    assert answered >= 90, answered
+    narrow = parse_filter({"brand": "brand-1", "in_stock": False})
+    assert index.search_post_filtered(rng.standard_normal((1, DIM)).astype(np.float32), 5, narrow) is None
+
+
+def test_the_service_falls_back_to_the_selection_when_too_few_hits_pass(tmp_path, monkeypatch):
+    """With no margin (hits = k / share), about half the searches leave fewer than k passing hits: those
+    are answered with the selection, so every answer is still the brute-force top k of the matching rows."""
+    monkeypatch.setattr(filtered, "POST_FILTER_MARGIN", 1.0)
+    index, rng = built(tmp_path, "flat"), np.random.default_rng(3)
+    live = LiveIndex(IndexConfig(uri=str(tmp_path / "flat"), use_gpu=False, cache_dir=str(tmp_path / "c")),
+                     "m", DIM)
+    vectors, item_ids, post_filtered = all_vectors(index), index.to_item_ids(np.arange(index.ntotal)), 0
+    for i in range(60):
+        where = parse_filter(BROAD[i % len(BROAD)])
+        q = rng.standard_normal(DIM).astype(np.float32)
+        post_filtered += live.state.index.search_post_filtered(q[None, :], 12, where) is not None
+        hits = [h["item_id"] for h in live.search_vector(q, 12, where=where)]
+        assert hits == item_ids[brute_force(vectors, index.filter_mask(where), q, 12)].tolist(), (i, where)
+    assert 5 <= post_filtered <= 55, post_filtered

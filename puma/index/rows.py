@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from puma.index.filter_eval import evaluate
-from puma.index.filtered import merged_description, merged_types
+from puma.index.filtered import SAMPLE_ROWS, merged_description, merged_types
 from puma.index.filters import Filter, check_filter
 from puma.index.layout import IndexFolder
 from puma.index.loaded import Holding, LoadedShard
@@ -75,6 +75,33 @@ class IndexRows:
         if not tables:
             return np.zeros(0, dtype=bool)
         return np.concatenate([evaluate(where, t) for t in tables]) & self.live
+
+    def filter_share(self, where: Filter) -> float:
+        """The share of live items ``where`` selects, estimated on a fixed sample of them (up to
+        SAMPLE_ROWS drawn at random, the same for a state); a FilterError as ``filter_mask`` raises it
+        (unknown columns match nothing)."""
+        check_filter(where, self.filter_types, unknown_ok=True)
+        sample = self._filter_sample
+        return float(self.filter_at(where, sample).mean()) if len(sample) else 0.0
+
+    @cached_property
+    def _filter_sample(self) -> np.ndarray:
+        live = np.flatnonzero(self.live)
+        return np.sort(np.random.default_rng(0).choice(live, min(SAMPLE_ROWS, len(live)), replace=False))
+
+    def filter_at(self, where: Filter, rows: np.ndarray) -> np.ndarray:
+        """Which of rows (n,; -1: none) ``where`` selects, removed rows never: bool (n,), each shard's
+        rows evaluated on its own filter table as ``filter_mask`` does."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.zeros(len(rows), dtype=bool)
+        found = np.flatnonzero(rows >= 0)
+        shard, local = self.locate(rows[found])
+        tables = self._filter_tables()
+        for s in np.unique(shard):
+            at = shard == s
+            out[found[at]] = evaluate(where, tables[s].take(pa.array(local[at])))
+        out[found] &= self.live[rows[found]]
+        return out
 
     def describe_filters(self, max_values: int = 50) -> dict:
         """The filterable columns: their types and, for text columns with few values, the values."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from puma.index import backend
+from puma.index import backend, filtered
 from puma.index.filtered import brute_force, exact_topk, filtered_nprobe
 from puma.index.loaded import Holding, LoadedShard, fingerprint, load_shards
 from puma.index.lookup import hash_id, hash_ids
@@ -41,6 +42,8 @@ from puma.index.verify import verify
 
 if TYPE_CHECKING:
     import faiss
+
+    from puma.index.filters import Filter
 
 __all__ = ["Holding", "IndexInputError", "LoadedShard", "Selection", "ShardedIndex", "drop_self",
            "merge_topk"]
@@ -184,6 +187,22 @@ class ShardedIndex(IndexRows):
             if short.any():
                 scores[short], rows[short] = self._search_all(q[short], k, nlist, selector)
         return scores, rows
+
+    def search_post_filtered(self, queries: np.ndarray, k: int, where: Filter,
+                             nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The top-k rows ``where`` selects, for a broad filter, without selecting: the filter evaluated
+        on an unfiltered search's hits (``puma.index.filtered``); None when it keeps too few items for
+        that, or too few hits passed (search with ``select`` then)."""
+        share = self.filter_share(where)
+        if share < filtered.POST_FILTER_SHARE:
+            return None
+        wanted = min(self.live_total, math.ceil(filtered.POST_FILTER_MARGIN * k / share))
+        scores, rows = self.search_ids(queries, wanted, nprobe)
+        passed = self.filter_at(where, rows.ravel()).reshape(rows.shape)
+        if (passed.sum(axis=1) < k).any():
+            return None
+        order = np.argsort(~passed, axis=1, kind="stable")[:, :k]  # the passing hits, best first
+        return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
 
     def _search_all(self, q: np.ndarray, k: int, nprobe: int,
                     selector: faiss.IDSelector | None) -> tuple[np.ndarray, np.ndarray]:

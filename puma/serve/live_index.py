@@ -38,7 +38,7 @@ from PIL import Image
 from puma.config import IndexConfig
 from puma.data.images import ImageRejected, decode_image
 from puma.index.cache import LocalCache
-from puma.index.filters import Filter
+from puma.index.filters import Filter, FilterError
 from puma.index.manifest import Manifest, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.search import Holding, Selection, ShardedIndex, drop_self
@@ -172,8 +172,8 @@ class LiveIndex:
         filter, puma.index.filters); 422 when the vector has the wrong length or the filter cannot apply."""
         state = self._searchable()
         self.check_vector(vector)
-        allowed, _ = self._allowed(state, datasets, catalogues, filter_option(where))
-        scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
+        scores, ids, _ = self._search(state, vector[None, :], min(k, state.items), datasets, catalogues,
+                                      filter_option(where))
         return _hits(state, scores[0], ids[0])
 
     def search_part(self, vector: np.ndarray, k: int, datasets: tuple[str, ...] = (),
@@ -186,8 +186,8 @@ class LiveIndex:
         if state.index is None or not state.items:
             columns = sorted(where.columns()) if where is not None else []
             return {"hits": [], "items": 0, "unknown": named_filters(datasets, catalogues, columns)}
-        allowed, unknown = self._allowed(state, datasets, catalogues, filter_option(where), strict=False)
-        scores, ids = state.index.search_ids(vector[None, :], min(k, state.items), allowed=allowed)
+        scores, ids, unknown = self._search(state, vector[None, :], min(k, state.items), datasets, catalogues,
+                                            filter_option(where), strict=False)
         return _part_answer(state, scores[0], ids[0], unknown)
 
     def search_parts(self, vectors: list[np.ndarray], k: int) -> list[dict]:
@@ -240,9 +240,9 @@ class LiveIndex:
         state = self._searchable()
         own = self._lookup(state, item_id)  # (1,)
         vector = state.index.vector(int(own[0]))[None, :]  # (1, E)
-        allowed, _ = self._allowed(state, datasets, catalogues, filter_option(where))
         extra = 0 if include_self else 1
-        scores, ids = state.index.search_ids(vector, min(k + extra, state.items), allowed=allowed)
+        scores, ids, _ = self._search(state, vector, min(k + extra, state.items), datasets, catalogues,
+                                      filter_option(where))
         if extra and ids.shape[1] > 0:
             scores, ids = drop_self(scores, ids, own)
         return _hits(state, scores[0][:k], ids[0][:k])
@@ -260,6 +260,24 @@ class LiveIndex:
         if row < 0:
             raise RequestError(404, f"unknown item id {item_id!r}: it is not in the index")
         return np.array([row], dtype=np.int64)
+
+    def _search(self, state: State, q: np.ndarray, k: int, datasets: tuple[str, ...],
+                catalogues: tuple[str, ...], where: Filter | None,
+                strict: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Top-k rows (Q, k) of queries (Q, E) among the items selected, and the names no item has (see
+        ``_allowed``). A broad metadata filter never selected before is evaluated on the hits of an
+        unfiltered search instead (``ShardedIndex.search_post_filtered``) when that answers."""
+        if where is not None and not datasets and not catalogues and \
+                (datasets, catalogues, where.key) not in state.selections and \
+                where.columns() <= set(state.index.filter_types):
+            try:
+                found = state.index.search_post_filtered(q, k, where)
+            except FilterError as exc:
+                raise RequestError(422, str(exc)) from exc
+            if found is not None:
+                return *found, []
+        allowed, unknown = self._allowed(state, datasets, catalogues, where, strict)
+        return *state.index.search_ids(q, k, allowed=allowed), unknown
 
     def _allowed(self, state: State, datasets: tuple[str, ...], catalogues: tuple[str, ...],
                  where: Filter | None = None, strict: bool = True) -> tuple[Selection | None, list[str]]:
