@@ -1,6 +1,7 @@
 """Filtered search over an index (puma.index.filtered, ShardedIndex.filter_mask and search_ids): for
 random filters of every operator, the hits are a brute-force scan of the matching rows (same ids, same
-order) on Flat, and on IVF wherever the search scans the selected rows exactly or every list; a broad
+order) on Flat, and on IVF wherever the search visits every list (scanning the selected rows or with
+FAISS); a broad
 filter on IVF keeps its recall and every answer holds k hits whenever k items match, after removals and
 a compaction."""
 
@@ -170,7 +171,8 @@ def test_filtered_hits_are_a_brute_force_scan_of_the_matching_rows(tmp_path, ind
         scans_all = filtered_nprobe(4, 32, int(mask.sum()), index.live_total) == 32
         scanned = mask.sum() <= BRUTE_FORCE_ROWS
         ways.add("scan" if scanned else "every list" if scans_all else "some lists")
-        if index_type == "flat" or scans_all or scanned:
+        assert scans_all or not scanned  # this index's scans: of every list (few rows, many lists each)
+        if index_type == "flat" or scans_all:
             assert got == want, (i, where)
             exact += 1
         else:  # a broad filter on IVF: approximate like an unfiltered search of the same nprobe
@@ -385,9 +387,10 @@ BROAD = ({"dataset": "shoes"}, {"in_stock": True}, {"category": {"ne": "boots"}}
 
 @pytest.mark.parametrize("index_type", ["flat", "ivf_flat"])
 def test_a_broad_filter_filters_the_hits_of_an_unfiltered_search_as_the_selection_would(tmp_path, index_type):
-    """A filter keeping at least POST_FILTER_SHARE of the items is evaluated on an unfiltered search's
-    hits: where k of them pass, they equal the search with the selection over the same lists (on Flat:
-    the brute-force scan of the matching rows); a narrow filter is left to the selection."""
+    """A filter keeping at least POST_FILTER_SHARE of the items is evaluated on the hits of an unfiltered
+    search over the lists the search with the selection would visit: where k of them pass, they equal
+    that search's hits (on Flat: the brute-force scan of the matching rows); a narrow filter is left to
+    the selection."""
     index, rng = built(tmp_path, index_type), np.random.default_rng(11)
     vectors, answered = all_vectors(index), 0
     for i in range(100):
@@ -400,7 +403,7 @@ def test_a_broad_filter_filters_the_hits_of_an_unfiltered_search_as_the_selectio
         if found is None:
             continue
         answered += 1
-        _, selected = index.search_ids(q[None, :], k, allowed=index.select(mask), widen=False)
+        _, selected = index.search_ids(q[None, :], k, allowed=index.select(mask))
         assert found[1][0].tolist() == selected[0].tolist(), (i, where)
         if index_type == "flat":
             assert found[1][0].tolist() == brute_force(vectors, mask, q, k), (i, where)
@@ -424,3 +427,29 @@ def test_the_service_falls_back_to_the_selection_when_too_few_hits_pass(tmp_path
         hits = [h["item_id"] for h in live.search_vector(q, 12, where=where)]
         assert hits == item_ids[brute_force(vectors, index.filter_mask(where), q, 12)].tolist(), (i, where)
     assert 5 <= post_filtered <= 55, post_filtered
+
+
+def test_the_exact_scan_on_ivf_ranks_the_selected_rows_in_the_lists_the_search_would_visit(tmp_path,
+                                                                                           monkeypatch):
+    """Every selection scanned (BRUTE_FORCE_VALUES raised): on IVF the scan ranks the selected rows of
+    the nprobe / fraction lists nearest the query (after removals and a compaction: ids with gaps), so
+    its hits are FAISS's with the selection over the same lists, and k whenever k items match."""
+    index, rng = built(tmp_path, "ivf_flat"), np.random.default_rng(13)
+    cases = []
+    while len(cases) < 150:
+        mask = index.filter_mask(parse_filter(random_filter(rng)))
+        if mask.any():  # an empty selection is an empty scan either way
+            cases.append((mask, rng.standard_normal(DIM).astype(np.float32), int(rng.integers(1, 30))))
+    monkeypatch.setattr(filtered, "BRUTE_FORCE_VALUES", 10**9)
+    scanned = [(index.select(mask), q, k) for mask, q, k in cases]
+    monkeypatch.setattr(filtered, "BRUTE_FORCE_VALUES", 0)
+    with_faiss = [index.select(mask) for mask, _, _ in cases]
+    some_lists = 0
+    for (chosen, q, k), bitmap, (mask, _, _) in zip(scanned, with_faiss, cases, strict=True):
+        assert chosen.rows is not None and bitmap.rows is None
+        _, got = index.search_ids(q[None, :], k, allowed=chosen)
+        _, want = index.search_ids(q[None, :], k, allowed=bitmap)
+        assert got[0].tolist() == want[0].tolist(), int(mask.sum())
+        assert (got[0] >= 0).sum() == min(k, int(mask.sum()))
+        some_lists += filtered_nprobe(4, 32, int(mask.sum()), index.live_total) < 32
+    assert some_lists >= 30, some_lists  # the scan of the nearest lists, not only of every list

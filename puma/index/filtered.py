@@ -12,7 +12,12 @@ whose values repeat are dictionary-encoded, so a category or brand costs a byte 
 Few selected rows (``brute_force``: at most ``BRUTE_FORCE_VALUES`` rows x dimensions) are scanned
 exactly (``exact_topk``): their stored embeddings are gathered (``ShardedIndex.vectors_at``: from the
 replica's column file, memory-mapped, or the shards' Parquet) and ranked with numpy, whatever the index
-type, so a selective filter costs what it selects, not what the index holds.
+type, so a selective filter costs what it selects, not what the index holds. On IVF, where the lists
+an IVF search with the selection would visit (``filtered_nprobe``, below) are fewer than all, only
+the selected rows in those lists nearest the query are gathered and ranked (``near_rows``: the same
+candidates that search meets, each row's list kept from the shards' lists at 2 bytes an item): the
+gather is most of a scan's time. A repeated filter's rows, whose embeddings its cached selection holds,
+are all ranked.
 
 Exactness on IVF (``filtered_nprobe``), for larger selections: a filter that keeps a fraction f of the
 items leaves about f of each inverted list's items, so a search that visits nprobe / f lists meets as
@@ -25,9 +30,10 @@ match.
 
 A broad filter (``POST_FILTER_SHARE`` of the items or more, estimated on a sample) needs no selection
 (``ShardedIndex.search_post_filtered``): an unfiltered search for ``POST_FILTER_MARGIN`` x k / share
-hits, whose rows the filter is then evaluated on. Whenever k of them pass, they are the k best selected
-items among those the search visits (a better selected item would rank among the hits too): the answer
-of a search with the selection over the same lists. When fewer pass, the selection is made as above.
+hits over the lists the search with the selection would visit (``filtered_nprobe``), whose rows the
+filter is then evaluated on. Whenever k of them pass, they are the k best selected items among those
+the search visits (a better selected item would rank among the hits too): the answer of the search
+with the selection. When fewer pass, the selection is made as above.
 """
 
 from __future__ import annotations
@@ -51,9 +57,10 @@ BRUTE_FORCE_VALUES = 5_000_000  # a selection of at most this many rows x dimens
 # measured, where the scan (about 80 ns a row to gather a 64-d embedding, then numpy) costs as much as
 # FAISS with the selection, about 80,000 rows at 64-d of a 1M-item IVF index (bench/results/bench_filters.md)
 POST_FILTER_SHARE = 0.4  # a filter keeping at least this share of the items (estimated on SAMPLE_ROWS
-# of them) filters the hits of an unfiltered search of POST_FILTER_MARGIN x k / share items: measured, at
-# 50% such a search (40 hits) holds the filtered top 10 with recall@10 0.998 in 1.2 ms, the selection
-# with FAISS 3.2 ms at 1M items; at 20% recall@10 falls to 0.96 (bench/results/bench_filters.md)
+# of them) filters the hits of an unfiltered search of POST_FILTER_MARGIN x k / share items: measured at
+# 1M items, such a search over nprobe / share lists (40 hits at 50%) holds the filtered top 10 with
+# recall@10 0.9995 in 2.0 ms against 3.2 ms for the selection with FAISS; below 40% the hits needed
+# (k / share) and the lists grow together (docs/performance.md)
 POST_FILTER_MARGIN = 2.0
 SAMPLE_ROWS = 4096  # live rows a filter is evaluated on to estimate its share
 DICTIONARY_SHARE = 0.5  # a string column is dictionary-encoded when its distinct values are below this share
@@ -169,6 +176,14 @@ def brute_force(selected: int, dim: int) -> bool:
     """Whether a search among ``selected`` rows scans their vectors exactly instead of asking FAISS
     (``BRUTE_FORCE_VALUES``)."""
     return selected * dim <= BRUTE_FORCE_VALUES
+
+
+def near_rows(row_lists: np.ndarray, probed: np.ndarray, nlist: int) -> np.ndarray:
+    """Which rows lie in the probed lists: bool (n,) from each row's list (n,) and the lists (m,; -1
+    pads)."""
+    near = np.zeros(nlist + 1, dtype=bool)  # the last entry: list -1, near no query
+    near[probed[probed >= 0]] = True
+    return near[row_lists]
 
 
 def exact_topk(vectors: np.ndarray, rows: np.ndarray, q: np.ndarray, k: int,

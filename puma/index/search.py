@@ -25,13 +25,14 @@ import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from puma.index import backend, filtered
-from puma.index.filtered import brute_force, exact_topk, filtered_nprobe
+from puma.index.filtered import brute_force, exact_topk, filtered_nprobe, near_rows
 from puma.index.loaded import Holding, LoadedShard, fingerprint, load_shards
 from puma.index.lookup import hash_id, hash_ids
 from puma.index.manifest import Manifest, read_checked, read_manifest
@@ -175,8 +176,7 @@ class ShardedIndex(IndexRows):
             raise IndexInputError(f"this selection covers {chosen.size} ids; it was made for another "
                                   "state of the index (select again)")
         if widen and chosen.rows is not None:  # few rows: an exact scan of their vectors
-            vectors = chosen.vectors if chosen.vectors is not None else self.vectors_at(chosen.rows)
-            return exact_topk(vectors, chosen.rows, q, k, self.manifest.metric)
+            return self._scan(q, k, nprobe, chosen)
         selector, nlist = backend.bitmap_selector(self._bits(chosen)), self.manifest.nlist
         if nlist and widen and chosen.count >= 0:
             nprobe = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total)
@@ -188,15 +188,44 @@ class ShardedIndex(IndexRows):
                 scores[short], rows[short] = self._search_all(q[short], k, nlist, selector)
         return scores, rows
 
+    def _scan(self, q: np.ndarray, k: int, nprobe: int, chosen: Selection) -> tuple[np.ndarray, np.ndarray]:
+        """The exact scan of a selection's rows; on IVF, of those in the nprobe / fraction lists nearest
+        each query while that is fewer than every list (``puma.index.filtered.near_rows``). A selection
+        holding its vectors (a repeated filter) is scanned whole."""
+        metric, nlist = self.manifest.metric, self.manifest.nlist
+        if chosen.vectors is not None:
+            return exact_topk(chosen.vectors, chosen.rows, q, k, metric)
+        lists = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total) if nlist else 0
+        if lists >= nlist or self._cpu_shards is None:
+            return exact_topk(self.vectors_at(chosen.rows), chosen.rows, q, k, metric)
+        row_lists = self._lists_of_ids[self.global_ids(chosen.rows)]  # (n,)
+        _, probed = self._cpu_coarse.search(q, lists)  # (Q, lists)
+        parts = []
+        for query, near in zip(q, probed, strict=True):
+            rows = chosen.rows[near_rows(row_lists, near, nlist)]
+            part = exact_topk(self.vectors_at(rows), rows, query[None, :], k, metric)
+            if (part[1] >= 0).sum() < min(k, len(chosen.rows)):  # too few near: every selected row
+                part = exact_topk(self.vectors_at(chosen.rows), chosen.rows, query[None, :], k, metric)
+            parts.append(part)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    @cached_property
+    def _lists_of_ids(self) -> np.ndarray:
+        return backend.lists_of_ids(self._cpu_shards, self.manifest.next_id, self.manifest.nlist)
+
     def search_post_filtered(self, queries: np.ndarray, k: int, where: Filter,
                              nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """The top-k rows ``where`` selects, for a broad filter, without selecting: the filter evaluated
-        on an unfiltered search's hits (``puma.index.filtered``); None when it keeps too few items for
-        that, or too few hits passed (search with ``select`` then)."""
+        on the hits of an unfiltered search over the lists the search with the selection would visit
+        (``puma.index.filtered``); None when it keeps too few items for that, or too few hits passed
+        (search with ``select`` then)."""
         share = self.filter_share(where)
         if share < filtered.POST_FILTER_SHARE:
             return None
         wanted = min(self.live_total, math.ceil(filtered.POST_FILTER_MARGIN * k / share))
+        nprobe, nlist = nprobe or self.nprobe, self.manifest.nlist
+        if nlist:  # the lists the search with the selection would visit
+            nprobe = filtered_nprobe(nprobe, nlist, round(share * self.live_total), self.live_total)
         scores, rows = self.search_ids(queries, wanted, nprobe)
         passed = self.filter_at(where, rows.ravel()).reshape(rows.shape)
         if (passed.sum(axis=1) < k).any():

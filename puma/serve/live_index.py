@@ -265,10 +265,10 @@ class LiveIndex:
                 catalogues: tuple[str, ...], where: Filter | None,
                 strict: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """Top-k rows (Q, k) of queries (Q, E) among the items selected, and the names no item has (see
-        ``_allowed``). A broad metadata filter never selected before is evaluated on the hits of an
-        unfiltered search instead (``ShardedIndex.search_post_filtered``) when that answers."""
+        ``_allowed``). A broad metadata filter is evaluated on the hits of an unfiltered search instead
+        (``ShardedIndex.search_post_filtered``) where that answers: the same hits, sooner than with its
+        selection, even a cached one (made when too few hits passed for another query)."""
         if where is not None and not datasets and not catalogues and \
-                (datasets, catalogues, where.key) not in state.selections and \
                 where.columns() <= set(state.index.filter_types):
             try:
                 found = state.index.search_post_filtered(q, k, where)
