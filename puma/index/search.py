@@ -213,13 +213,14 @@ class ShardedIndex(IndexRows):
     def _lists_of_ids(self) -> np.ndarray:
         return backend.lists_of_ids(self._cpu_shards, self.manifest.next_id, self.manifest.nlist)
 
-    def search_post_filtered(self, queries: np.ndarray, k: int, where: Filter,
-                             nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    def search_post_filtered(self, queries: np.ndarray, k: int, where: Filter, nprobe: int | None = None,
+                             share: float | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """The top-k rows ``where`` selects, for a broad filter, without selecting: the filter evaluated
         on the hits of an unfiltered search over the lists the search with the selection would visit
         (``puma.index.filtered``); None when it keeps too few items for that, or too few hits passed
-        (search with ``select`` then)."""
-        share = self.filter_share(where)
+        (search with ``select`` then). ``share``: the live items it keeps, where already counted (its
+        selection); else estimated (``filter_share``)."""
+        share = self.filter_share(where) if share is None else share
         if share < filtered.POST_FILTER_SHARE:
             return None
         wanted = min(self.live_total, math.ceil(filtered.POST_FILTER_MARGIN * k / share))

@@ -269,9 +269,11 @@ class LiveIndex:
         (``ShardedIndex.search_post_filtered``) where that answers: the same hits, sooner than with its
         selection, even a cached one (made when too few hits passed for another query)."""
         if where is not None and not datasets and not catalogues and \
-                where.columns() <= set(state.index.filter_types):
+                where.columns() <= state.index.filter_types.keys():
+            cached = state.selections.get((datasets, catalogues, where.key))  # its share counted already
+            share = None if cached is None else cached[0].count / max(1, state.index.live_total)
             try:
-                found = state.index.search_post_filtered(q, k, where)
+                found = state.index.search_post_filtered(q, k, where, share=share)
             except FilterError as exc:
                 raise RequestError(422, str(exc)) from exc
             if found is not None:
