@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -18,7 +19,7 @@ from test_serve_partitions import LocalFanOut
 from puma.config import IndexConfig
 from puma.index import build_index, filtered
 from puma.index.build import commit_changes, compact
-from puma.index.filtered import FULL_SCAN_SHARE, filter_table, filtered_nprobe, merged_types
+from puma.index.filtered import FULL_SCAN_SHARE, NARROW_WIDEN, filter_table, filtered_nprobe, merged_types
 from puma.index.filters import FilterError, evaluate, parse_filter
 from puma.index.search import Holding, ShardedIndex
 from puma.index.table import embedding_matrix
@@ -204,8 +205,10 @@ def test_filter_errors_name_the_column_and_what_is_valid(tmp_path):
 def test_the_lists_visited_grow_as_the_filter_narrows_then_cover_every_list():
     assert filtered_nprobe(16, 4096, 1000, 1000) == 16
     assert filtered_nprobe(16, 4096, 500, 1000) == 32
-    assert filtered_nprobe(16, 4096, 50, 1000) == 320
-    full = int(np.ceil(16 / (FULL_SCAN_SHARE * 4096) * 1000)) - 1
+    assert filtered_nprobe(16, 4096, 400, 1000) == 40  # POST_FILTER_SHARE: nprobe / f
+    assert filtered_nprobe(16, 4096, 399, 1000) == math.ceil(16 * NARROW_WIDEN * 1000 / 399)  # below it
+    assert filtered_nprobe(16, 4096, 50, 1000) == math.ceil(320 * NARROW_WIDEN)
+    full = int(np.ceil(16 * NARROW_WIDEN / (FULL_SCAN_SHARE * 4096) * 1000)) - 1
     assert filtered_nprobe(16, 4096, full, 1000) == 4096
     assert filtered_nprobe(16, 4096, 0, 1000) == 4096
 
@@ -353,9 +356,10 @@ def test_selected_vectors_are_the_stored_embeddings_wherever_the_index_holds_the
 
 
 def test_a_repeated_filter_scans_its_gathered_vectors_held_within_the_budget(tmp_path, few_rows_brute_force):
-    """A selection scanned exactly keeps its rows' embeddings (gathered once, when it is made) while the
-    state's selections hold at most index.filter_cache_mb of them; a repeated filter's hits are those of
-    a replica that keeps none (index.filter_cache_mb=0), the first time and again."""
+    """A selection scanned exactly keeps its rows' embeddings (gathered once, at its second use: a filter
+    used once gathers only what its scan ranks) while the state's selections hold at most
+    index.filter_cache_mb of them; a repeated filter's hits are those of a replica that keeps none
+    (index.filter_cache_mb=0), the first time and again."""
     index, rng = built(tmp_path, "ivf_flat"), np.random.default_rng(5)
     scanned = {}  # two filters that select few enough rows to scan exactly -> their rows
     while len(scanned) < 2:
@@ -369,10 +373,13 @@ def test_a_repeated_filter_scans_its_gathered_vectors_held_within_the_budget(tmp
                                     cache_dir=str(tmp_path / "a")), "m", DIM)
     keeping_none = LiveIndex(IndexConfig(uri=uri, use_gpu=False, nprobe=4, filter_cache_mb=0,
                                          cache_dir=str(tmp_path / "b")), "m", DIM)
-    for _ in range(2):
+    for use in range(2):
         for where in scanned:
             q = rng.standard_normal(DIM).astype(np.float32)
             assert holding.search_vector(q, 7, where=where) == keeping_none.search_vector(q, 7, where=where)
+        if use == 0:  # used once: nothing held yet
+            assert holding.state.selection_bytes == 0
+            assert all(s[0].vectors is None for s in holding.state.selections.values())
     first, second = (s[0] for s in holding.state.selections.values())
     index = holding.state.index
     assert np.array_equal(first.vectors, index.vectors_at(first.rows))  # the stored embeddings

@@ -268,24 +268,29 @@ class LiveIndex:
         ``_allowed``). A broad metadata filter is evaluated on the hits of an unfiltered search instead
         (``ShardedIndex.search_post_filtered``) where that answers: the same hits, sooner than with its
         selection, even a cached one (made when too few hits passed for another query)."""
+        mask = None
         if where is not None and not datasets and not catalogues and \
                 where.columns() <= state.index.filter_types.keys():
             cached = state.selections.get((datasets, catalogues, where.key))  # its share counted already
+            if cached is None:  # evaluated once: its share, then its hits or its selection
+                mask, _ = filter_mask(state.index, where, strict)
             share = None if cached is None else cached[0].count / max(1, state.index.live_total)
             try:
-                found = state.index.search_post_filtered(q, k, where, share=share)
+                found = state.index.search_post_filtered(q, k, where, share=share, mask=mask)
             except FilterError as exc:
                 raise RequestError(422, str(exc)) from exc
             if found is not None:
                 return *found, []
-        allowed, unknown = self._allowed(state, datasets, catalogues, where, strict)
+        allowed, unknown = self._allowed(state, datasets, catalogues, where, strict, mask)
         return *state.index.search_ids(q, k, allowed=allowed), unknown
 
     def _allowed(self, state: State, datasets: tuple[str, ...], catalogues: tuple[str, ...],
-                 where: Filter | None = None, strict: bool = True) -> tuple[Selection | None, list[str]]:
-        """The items in the named datasets and catalogues that ``where`` selects (None: no filter),
-        selected for FAISS once per filter and state, and the names no live item has: a 422 naming them
-        when ``strict``, else returned (they match nothing)."""
+                 where: Filter | None = None, strict: bool = True,
+                 mask: np.ndarray | None = None) -> tuple[Selection | None, list[str]]:
+        """The items in the named datasets and catalogues that ``where`` selects (None: no filter;
+        ``mask``: its rows, where already evaluated), selected for FAISS once per filter and state, and
+        the names no live item has: a 422 naming them when ``strict``, else returned (they match
+        nothing). A selection scanned exactly holds its rows' embeddings from its second use on."""
         if not datasets and not catalogues and where is None:
             return None, []
         key = (datasets, catalogues, where.key if where is not None else "")
@@ -296,10 +301,13 @@ class LiveIndex:
             live = state.index.live
             by_dataset, unknown_datasets = column_mask(state.index, DATASET, datasets, live)
             by_catalogue, unknown_catalogues = catalogue_mask(state.index, catalogues, live)
-            by_filter, unknown_columns = filter_mask(state.index, where, strict)
+            by_filter, unknown_columns = (mask, []) if mask is not None else filter_mask(state.index, where,
+                                                                                         strict)
             masks = [m for m in (by_dataset, by_catalogue, by_filter) if m is not None]
-            chosen = self._held(state, state.index.select(functools.reduce(np.logical_and, masks, live)))
+            chosen = state.index.select(functools.reduce(np.logical_and, masks, live))
             state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
+        else:  # a repeated filter
+            state.selections[key] = (self._held(state, state.selections[key][0]), *state.selections[key][1:])
         chosen, unknown_datasets, unknown_catalogues, unknown_columns = state.selections[key]
         if strict and unknown_datasets:
             present = live_counts(state.index, DATASET)
@@ -312,10 +320,10 @@ class LiveIndex:
         return chosen, named_filters(unknown_datasets, unknown_catalogues, unknown_columns)
 
     def _held(self, state: State, chosen: Selection) -> Selection:
-        """A selection scanned exactly, with its rows' embeddings gathered now (its first scan would
-        gather them anyway) while the state's selections hold at most index.filter_cache_mb of them:
-        a repeated filter's scan then reads one contiguous block."""
-        if chosen.rows is None:
+        """A repeated filter's selection scanned exactly, with its rows' embeddings gathered now while
+        the state's selections hold at most index.filter_cache_mb of them: its scans then read one
+        contiguous block (a filter used once gathers only the rows its scan ranks)."""
+        if chosen.rows is None or chosen.vectors is not None:
             return chosen
         need = len(chosen.rows) * state.index.dim * 4  # float32
         if state.selection_bytes + need > self.cfg.filter_cache_mb * 1e6:
