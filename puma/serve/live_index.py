@@ -87,6 +87,7 @@ class State:
     manifest: Manifest
     loaded_at: float = field(default_factory=time.time)
     selections: dict = field(default_factory=dict)  # (datasets, catalogues, filter) -> (Selection, unknowns)
+    shares: dict = field(default_factory=dict)  # filter -> the share of live items it keeps, once counted
     selection_bytes: int = 0  # what the selections hold of gathered embeddings (index.filter_cache_mb)
     filterable: dict | None = None  # GET /stats' filterable columns, described once per state
 
@@ -271,10 +272,10 @@ class LiveIndex:
         mask = None
         if where is not None and not datasets and not catalogues and \
                 where.columns() <= state.index.filter_types.keys():
-            cached = state.selections.get((datasets, catalogues, where.key))  # its share counted already
-            if cached is None:  # evaluated once: its share, then its hits or its selection
+            share = state.shares.get(where.key)  # counted already: its hits are evaluated on their own
+            if share is None:  # evaluated once: its share, then its hits or its selection
                 mask, _ = filter_mask(state.index, where, strict)
-            share = None if cached is None else cached[0].count / max(1, state.index.live_total)
+                share = _remember(state.shares, where.key, np.count_nonzero(mask) / max(1, state.items))
             try:
                 found = state.index.search_post_filtered(q, k, where, share=share, mask=mask)
             except FilterError as exc:
@@ -368,6 +369,15 @@ class LiveIndex:
                 "filterable": _filterable(state),
                 "manifest_updated": manifest.updated, "loaded_at": time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.loaded_at)), "refused_update": self.refused}
+
+
+def _remember(cache: dict, key: str, value: float) -> float:
+    """``value`` stored under ``key`` in a cache of at most MAX_CACHED_FILTERS entries (cleared when
+    full, as the selections are)."""
+    if len(cache) >= MAX_CACHED_FILTERS:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _version(manifest: Manifest) -> tuple:
