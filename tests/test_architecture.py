@@ -171,6 +171,14 @@ def test_every_module_is_in_a_layer_and_every_layer_unit_exists():
     assert len(units) == len(set(units))
 
 
+MAX_MODULE_LINES = 400  # a module that outgrows this does several jobs: split it by what each part owns
+
+
+def test_no_module_is_over_its_line_budget():
+    lines = {name: len(path.read_text().splitlines()) for name, path in module_files(ROOT).items()}
+    assert {name: n for name, n in lines.items() if n > MAX_MODULE_LINES} == {}
+
+
 def test_no_import_hides_in_a_computed_name_or_a_string():
     """import_module with a computed name only where listed; no "puma.x:function" targets in strings."""
     modules = module_files(ROOT)

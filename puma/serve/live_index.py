@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import logging
 import threading
 import time
@@ -54,8 +53,9 @@ from puma.index.table import (
     METADATA,
 )
 from puma.inference.embedder import read_image_bytes
+from puma.serve.answers import HIT_COLUMNS, hits, part_answer
 from puma.serve.errors import RequestError
-from puma.serve.partitions import ORDER, Partition, index_bytes
+from puma.serve.partitions import Partition, index_bytes
 from puma.serve.requests import filter_option
 from puma.serve.selection import (
     catalogue_mask,
@@ -68,7 +68,6 @@ from puma.serve.selection import (
 )
 
 log = logging.getLogger(__name__)
-HIT_COLUMNS = [ITEM_ID, DATASET, LABEL, CLASS_NAME, CATALOGUE, IMAGE_URI, IMAGE_ROW, METADATA]
 _NAMES = pa.dictionary(pa.int32(), pa.string())  # few distinct values, stored once; codes narrowed to fit
 HIT_SCHEMA = pa.schema([(ITEM_ID, pa.string()), (DATASET, _NAMES), (LABEL, pa.int32()), (CLASS_NAME, _NAMES),
                         (CATALOGUE, _NAMES), (IMAGE_URI, pa.string()), (IMAGE_ROW, pa.int32()),
@@ -175,7 +174,7 @@ class LiveIndex:
         self.check_vector(vector)
         scores, ids, _ = self._search(state, vector[None, :], min(k, state.items), datasets, catalogues,
                                       filter_option(where))
-        return _hits(state, scores[0], ids[0])
+        return hits(state.index, scores[0], ids[0])
 
     def search_part(self, vector: np.ndarray, k: int, datasets: tuple[str, ...] = (),
                     catalogues: tuple[str, ...] = (), where: Filter | dict | None = None) -> dict:
@@ -189,7 +188,7 @@ class LiveIndex:
             return {"hits": [], "items": 0, "unknown": named_filters(datasets, catalogues, columns)}
         scores, ids, unknown = self._search(state, vector[None, :], min(k, state.items), datasets, catalogues,
                                             filter_option(where), strict=False)
-        return _part_answer(state, scores[0], ids[0], unknown)
+        return part_answer(state.index, scores[0], ids[0], unknown)
 
     def search_parts(self, vectors: list[np.ndarray], k: int) -> list[dict]:
         """``search_part`` of many unfiltered queries at once: one FAISS call for the batch (Q, E)."""
@@ -199,7 +198,7 @@ class LiveIndex:
         if state.index is None or not state.items:
             return [{"hits": [], "items": 0, "unknown": []} for _ in vectors]
         scores, ids = state.index.search_ids(np.stack(vectors), min(k, state.items))  # (Q, k)
-        return [_part_answer(state, s, i, []) for s, i in zip(scores, ids, strict=True)]
+        return [part_answer(state.index, s, i, []) for s, i in zip(scores, ids, strict=True)]
 
     def holds(self, item_id: str) -> bool:
         """Whether this index (partition) holds the live item ``item_id``."""
@@ -232,7 +231,7 @@ class LiveIndex:
         """Hits of many query embeddings at once (no filters): one FAISS call for the whole batch."""
         state = self._searchable()
         scores, ids = state.index.search_ids(np.stack(vectors), min(k, state.items))  # (Q, k)
-        return [_hits(state, s, i) for s, i in zip(scores, ids, strict=True)]
+        return [hits(state.index, s, i) for s, i in zip(scores, ids, strict=True)]
 
     def search_item(self, item_id: str, k: int, datasets: tuple[str, ...] = (),
                     catalogues: tuple[str, ...] = (), include_self: bool = False,
@@ -246,7 +245,7 @@ class LiveIndex:
                                       filter_option(where))
         if extra and ids.shape[1] > 0:
             scores, ids = drop_self(scores, ids, own)
-        return _hits(state, scores[0][:k], ids[0][:k])
+        return hits(state.index, scores[0][:k], ids[0][:k])
 
     def _searchable(self) -> State:
         state = self.state
@@ -384,27 +383,6 @@ def _version(manifest: Manifest) -> tuple:
     """What identifies a committed manifest: its trained index, model, shards with their removals."""
     return (manifest.trained.sha256, manifest.model_id,
             tuple((s.name, s.index.sha256, s.removed.sha256 if s.removed else "") for s in manifest.shards))
-
-
-def _hits(state: State, scores: np.ndarray, ids: np.ndarray) -> list[dict]:
-    """(k,) scores and rows (-1: none) -> hit dicts in rank order (only these k rows' fields are read)."""
-    keep = ids >= 0
-    rows = state.index.describe(ids[keep], HIT_COLUMNS)
-    for row in rows:
-        row[METADATA] = json.loads(row[METADATA]) if row[METADATA] else {}
-        row[CLASS_NAME] = row[CLASS_NAME] or ""
-    return [{"rank": rank, "score": round(float(score), 6), **row}
-            for rank, (score, row) in enumerate(zip(scores[keep].tolist(), rows, strict=True), start=1)]
-
-
-def _part_answer(state: State, scores: np.ndarray, ids: np.ndarray, unknown: list) -> dict:
-    """A partition's answer: its hits for (k,) scores and rows, each carrying its merge order."""
-    hits = _hits(state, scores, ids)
-    keep = ids >= 0
-    sign = -1.0 if state.manifest.metric == "ip" else 1.0
-    for hit, score, gid in zip(hits, scores[keep], state.index.global_ids(ids[keep]), strict=True):
-        hit[ORDER] = (sign * float(score), int(gid))
-    return {"hits": hits, "items": state.items, "unknown": unknown}
 
 
 def _filterable(state: State) -> dict:
