@@ -21,6 +21,7 @@ from puma.index import build_index, filtered
 from puma.index.build import commit_changes, compact
 from puma.index.filtered import FULL_SCAN_SHARE, NARROW_WIDEN, filter_table, filtered_nprobe, merged_types
 from puma.index.filters import FilterError, evaluate, parse_filter
+from puma.index.manifest import read_manifest
 from puma.index.search import Holding, ShardedIndex
 from puma.index.table import embedding_matrix
 from puma.inference.search import run_search
@@ -441,16 +442,42 @@ def test_the_exact_scan_on_ivf_ranks_the_selected_rows_in_the_lists_the_search_w
     """Every selection scanned (BRUTE_FORCE_VALUES raised): on IVF the scan ranks the selected rows of
     the nprobe / fraction lists nearest the query (after removals and a compaction: ids with gaps), so
     its hits are FAISS's with the selection over the same lists, and k whenever k items match."""
-    index, rng = built(tmp_path, "ivf_flat"), np.random.default_rng(13)
+    index = built(tmp_path, "ivf_flat")
+    some_lists = scan_like_faiss(index, np.random.default_rng(13), monkeypatch, 150)
+    assert some_lists >= 30, some_lists  # the scan of the nearest lists, not only of every list
+
+
+def test_a_refresh_keeps_the_unchanged_shards_row_lists_and_the_scan_stays_faiss_s(tmp_path, monkeypatch):
+    """Each row's IVF list is kept per loaded shard: after items are added and removed, the refreshed
+    index reuses the unchanged shards with their row lists (the same arrays, not rebuilt), gives the new
+    and reloaded shards theirs, and its scans still equal FAISS with the selection."""
+    index = built(tmp_path, "ivf_flat")
+    scan_like_faiss(index, np.random.default_rng(17), monkeypatch, 20)  # the row lists made
+    before = {s.entry.name: s._row_lists for s in index._loaded}
+    uri = str(tmp_path / "ivf_flat")
+    commit_changes(uri, table(N + 300, 400, 2), np.arange(N, N + 300, 3))  # a shard's removals change
+    fresh = index.refreshed(read_manifest(uri))
+    kept = [s for s in fresh._loaded if s in index._loaded]
+    assert kept and len(kept) < len(fresh._loaded), (len(kept), len(fresh._loaded))
+    some_lists = scan_like_faiss(fresh, np.random.default_rng(19), monkeypatch, 60)
+    assert all(s._row_lists is before[s.entry.name] for s in kept)  # reused, not made again
+    assert all(s._row_lists is not None for s in fresh._loaded)
+    assert some_lists >= 10, some_lists
+
+
+def scan_like_faiss(index: ShardedIndex, rng: np.random.Generator, monkeypatch, n: int) -> int:
+    """For n random filters that select something, the scan's hits equal FAISS's with the selection
+    (k whenever k items match); returns how many visited fewer than every list."""
     cases = []
-    while len(cases) < 150:
+    while len(cases) < n:
         mask = index.filter_mask(parse_filter(random_filter(rng)))
         if mask.any():  # an empty selection is an empty scan either way
             cases.append((mask, rng.standard_normal(DIM).astype(np.float32), int(rng.integers(1, 30))))
-    monkeypatch.setattr(filtered, "BRUTE_FORCE_VALUES", 10**9)
-    scanned = [(index.select(mask), q, k) for mask, q, k in cases]
-    monkeypatch.setattr(filtered, "BRUTE_FORCE_VALUES", 0)
-    with_faiss = [index.select(mask) for mask, _, _ in cases]
+    with monkeypatch.context() as patch:
+        patch.setattr(filtered, "BRUTE_FORCE_VALUES", 10**9)
+        scanned = [(index.select(mask), q, k) for mask, q, k in cases]
+        patch.setattr(filtered, "BRUTE_FORCE_VALUES", 0)
+        with_faiss = [index.select(mask) for mask, _, _ in cases]
     some_lists = 0
     for (chosen, q, k), bitmap, (mask, _, _) in zip(scanned, with_faiss, cases, strict=True):
         assert chosen.rows is not None and bitmap.rows is None
@@ -458,5 +485,6 @@ def test_the_exact_scan_on_ivf_ranks_the_selected_rows_in_the_lists_the_search_w
         _, want = index.search_ids(q[None, :], k, allowed=bitmap)
         assert got[0].tolist() == want[0].tolist(), int(mask.sum())
         assert (got[0] >= 0).sum() == min(k, int(mask.sum()))
-        some_lists += filtered_nprobe(4, 32, int(mask.sum()), index.live_total) < 32
-    assert some_lists >= 30, some_lists  # the scan of the nearest lists, not only of every list
+        nlist = index.manifest.nlist
+        some_lists += filtered_nprobe(4, nlist, int(mask.sum()), index.live_total) < nlist
+    return some_lists

@@ -163,20 +163,19 @@ def stacked_lists(trained: faiss.Index, shards: list[faiss.Index]) -> tuple[fais
     return ivf, (view, stacked, list(shards))
 
 
-def lists_of_ids(shards: list[faiss.Index], size: int, nlist: int) -> np.ndarray:
-    """The inverted list of each FAISS global id below ``size`` (-1: in none), from the CPU IVF shards'
-    lists (int16 while nlist allows it: 2 bytes an item)."""
+def lists_of_rows(shard: faiss.Index, id_start: int, count: int, nlist: int) -> np.ndarray:
+    """The inverted list of each of a CPU IVF shard's ``count`` rows (global ids ``id_start`` on; -1: in
+    none, e.g. removed), int16 while nlist allows it: 2 bytes an item."""
     import faiss
 
-    out = np.full(size, -1, dtype=np.int16 if nlist < 2**15 else np.int32)
-    for shard in shards:
-        invlists = ivf_of(shard).invlists
-        for number in range(invlists.nlist):
-            n = invlists.list_size(number)
-            if n:
-                pointer = invlists.get_ids(number)
-                out[faiss.rev_swig_ptr(pointer, n)] = number
-                invlists.release_ids(number, pointer)
+    out = np.full(count, -1, dtype=np.int16 if nlist < 2**15 else np.int32)
+    invlists = ivf_of(shard).invlists
+    for number in range(invlists.nlist):
+        n = invlists.list_size(number)
+        if n:
+            pointer = invlists.get_ids(number)
+            out[faiss.rev_swig_ptr(pointer, n) - id_start] = number
+            invlists.release_ids(number, pointer)
     return out
 
 

@@ -15,9 +15,9 @@ replica's column file, memory-mapped, or the shards' Parquet) and ranked with nu
 type, so a selective filter costs what it selects, not what the index holds. On IVF, where the lists
 an IVF search with the selection would visit (``filtered_nprobe``, below) are fewer than all, only
 the selected rows in those lists nearest the query are gathered and ranked (``near_rows``: the same
-candidates that search meets, each row's list kept from the shards' lists at 2 bytes an item): the
-gather is most of a scan's time. A repeated filter's rows, whose embeddings its cached selection holds,
-are all ranked.
+candidates that search meets; each row's list is kept per loaded shard at 2 bytes an item, reused by
+a refresh that keeps the shard, and 2 more in the state's copy): the gather is most of a scan's
+time. A repeated filter's rows, whose embeddings its cached selection holds, are all ranked.
 
 Exactness on IVF (``filtered_nprobe``), for larger selections: a filter that keeps a fraction f of the
 items leaves about f of each inverted list's items, so a search that visits nprobe / f lists meets as

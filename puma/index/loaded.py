@@ -79,6 +79,14 @@ class LoadedShard:
     on_gpu: bool
     files: tuple[str, ...] = ()  # names in holding.cache
     filters: pa.Table | None = None  # holding.filters: the shard's filter table (puma.index.filtered)
+    _row_lists: np.ndarray | None = None  # each row's IVF list, made at the first scan that needs it
+
+    def row_lists(self, cpu_index: faiss.Index, nlist: int) -> np.ndarray:
+        """Each row's inverted list in ``cpu_index`` (this shard's CPU IVF index; -1: removed), made
+        once per loaded shard: a refresh that keeps the shard keeps them."""
+        if self._row_lists is None:
+            self._row_lists = backend.lists_of_rows(cpu_index, self.entry.id_start, self.entry.count, nlist)
+        return self._row_lists
 
     def holds(self, column: str) -> bool:
         return column in self.arrays or (self.file is not None and column in self.file.names)

@@ -200,7 +200,7 @@ class ShardedIndex(IndexRows):
         lists = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total) if nlist else 0
         if lists >= nlist or self._cpu_shards is None:
             return exact_topk(self.vectors_at(chosen.rows), chosen.rows, q, k, metric)
-        row_lists = self._lists_of_ids[self.global_ids(chosen.rows)]  # (n,)
+        row_lists = self._row_lists[chosen.rows]  # (n,)
         _, probed = self._cpu_coarse.search(q, lists)  # (Q, lists)
         parts = []
         for query, near in zip(q, probed, strict=True):
@@ -212,8 +212,11 @@ class ShardedIndex(IndexRows):
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     @cached_property
-    def _lists_of_ids(self) -> np.ndarray:
-        return backend.lists_of_ids(self._cpu_shards, self.manifest.next_id, self.manifest.nlist)
+    def _row_lists(self) -> np.ndarray:
+        """Each row's inverted list (-1: removed), from the loaded shards' (kept across refreshes)."""
+        nlist = self.manifest.nlist
+        return np.concatenate([s.row_lists(cpu, nlist) for s, cpu in zip(self._loaded, self._cpu_shards,
+                                                                         strict=True)])
 
     def search_post_filtered(self, queries: np.ndarray, k: int, where: Filter, nprobe: int | None = None,
                              share: float | None = None,
@@ -222,9 +225,9 @@ class ShardedIndex(IndexRows):
         on the hits of an unfiltered search over the lists the search with the selection would visit
         (``puma.index.filtered``); None when it keeps too few items for that, or too few hits passed
         (search with ``select`` then). ``share``: the live items it keeps, where already counted (its
-        selection); else estimated (``filter_share``). ``mask``: its rows (``filter_mask``), where
-        already evaluated: the hits are looked up in it, and its share counted."""
-        if mask is not None:
+        selection); else counted on ``mask``, its rows (``filter_mask``) where already evaluated, whose
+        entries the hits are then looked up in; else estimated (``filter_share``)."""
+        if share is None and mask is not None:
             share = np.count_nonzero(mask) / max(1, self.live_total)
         share = self.filter_share(where) if share is None else share
         if share < filtered.POST_FILTER_SHARE:
