@@ -458,8 +458,9 @@ def check_the_filter_box(driver, wait, service: dict, photo: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    def grid() -> list[str]:
-        return [h.get_attribute("data-item-id") for h in driver.find_elements(By.CSS_SELECTOR, "#grid .hit")]
+    def grid() -> list[str]:  # read in one script: the grid may be redrawn between finding and reading
+        return driver.execute_script(
+            "return [...document.querySelectorAll('#grid .hit')].map(h => h.getAttribute('data-item-id'))")
 
     def api(where: dict) -> list[str]:
         query = urllib.parse.urlencode({"k": 8, "filter": json.dumps(where)})
