@@ -488,3 +488,91 @@ def scan_like_faiss(index: ShardedIndex, rng: np.random.Generator, monkeypatch, 
         nlist = index.manifest.nlist
         some_lists += filtered_nprobe(4, nlist, int(mask.sum()), index.live_total) < nlist
     return some_lists
+
+
+def range_filter(rng: np.random.Generator) -> dict:
+    """A random filter that requires a number range: on the float column price (missing on some rows),
+    the integer columns stock and label (float and out-of-range bounds too), alone or in an ``and``."""
+    low = float(rng.uniform(-5, 200))
+    pick = int(rng.integers(0, 8))
+    if pick == 0:
+        return {"price": {"gte": round(low, 1), "lt": round(low + float(rng.uniform(0, 30)), 1)}}
+    if pick == 1:
+        return {"stock": {"gt": round(float(rng.uniform(-1, 40)), 1), "lte": int(rng.integers(0, 40))}}
+    if pick == 2:
+        return {"stock": {"eq": [int(rng.integers(0, 40)), 2.5, 1e30][int(rng.integers(3))]}}
+    if pick == 3:
+        return {"label": {"lt": int(rng.integers(0, 3))}, "category": CATEGORIES[int(rng.integers(5))]}
+    if pick == 4:
+        return {"and": [{"and": [{"stock": {"gte": int(rng.integers(0, 40))}}, {"stock": {"lt": 1e30}}]},
+                        {"price": {"lte": round(low, 2)}}, {"in_stock": True}]}
+    if pick == 5:
+        return {"and": [random_filter(rng, 2), {"price": {"gt": round(low, 1), "lt": round(low + 9, 1)}}]}
+    if pick == 6:
+        return {"price": {"gt": -1e308}}  # every priced row: too broad for the sorted columns
+    return {"stock": {"lte": -float(rng.integers(0, 3))}, "brand": {"in": list(BRANDS[:4])}}
+
+
+def range_json(b) -> dict:
+    """A ranges.Bounds as the filter's JSON."""
+    ends = {("gt" if b.low_open else "gte"): b.low, ("lt" if b.high_open else "lte"): b.high}
+    return {op: v for op, v in ends.items() if v is not None}
+
+
+def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mask_does(tmp_path):
+    """IndexRows.range_rows: for random filters requiring a number range, after removals, a compaction
+    and a shard whose rows lack the column, the rows equal the filter's mask wherever the range is
+    narrow enough to answer (and it answers those); or/not require no range and are left to the mask."""
+    from puma.index.ranges import RANGE_SHARE, required_ranges
+
+    index = built(tmp_path, "flat")
+    uri = str(tmp_path / "flat")
+    lacking = table(N + 300, 200, 5)  # a shard without the stock column
+    plain = [json.dumps({k: v for k, v in json.loads(m).items() if k != "stock"})
+             for m in lacking.column("metadata").to_pylist()]
+    commit_changes(uri, lacking.set_column(6, "metadata", pa.array(plain)))
+    index = index.refreshed(read_manifest(uri))
+    assert "stock" not in index._loaded[-1].filters.column_names
+    rng, answered, refused = np.random.default_rng(23), 0, 0
+    for _ in range(300):
+        where = parse_filter(range_filter(rng))
+        rows, mask = index.range_rows(where), index.filter_mask(where)
+        if rows is None:  # refused: every range it requires holds more than RANGE_SHARE of the rows
+            refused += 1
+            narrowest = min(index.filter_mask(parse_filter({column: range_json(b)})).sum()
+                            for column, b in required_ranges(where).items())
+            assert narrowest > 0.8 * RANGE_SHARE * index.live_total, where.key
+            continue
+        answered += 1
+        assert np.array_equal(rows, np.flatnonzero(mask)), where.key
+    assert answered >= 200 and refused >= 20, (answered, refused)
+    assert "stock" in index._loaded[0].sorted_columns  # made once, kept with the loaded shard
+    for unranged in ({"or": [{"stock": {"lt": 3}}, {"stock": {"gt": 38}}]}, {"not": {"stock": {"gte": 1}}},
+                     {"category": "boots"}):
+        assert index.range_rows(parse_filter(unranged)) is None
+
+
+def test_the_scores_read_in_place_equal_numpy_on_every_holding_and_split_between_threads(tmp_path,
+                                                                                       monkeypatch):
+    """IndexRows.scores_at (FAISS reading the mapped or held float32 matrix in place, the rows split
+    between its threads) equals numpy on the gathered vectors, for ip and l2; and the scan over an index
+    holding its embeddings in a column file still equals FAISS with the selection."""
+    from puma.index import backend
+    from puma.index.cache import LocalCache
+
+    monkeypatch.setattr(backend, "SCORE_PART_ROWS", 100)  # this small index's rows in several parts
+    uri, vectors = str(tmp_path / "ivf_flat"), all_vectors(built(tmp_path, "ivf_flat"))
+    in_file = ShardedIndex.open(uri, nprobe=4, use_gpu=False, holding=Holding(
+        file_columns=("item_id", "embedding"), filters=True, cache=LocalCache(str(tmp_path / "cache"))))
+    in_memory = ShardedIndex.open(uri, use_gpu=False, holding=Holding(columns=("item_id", "embedding")))
+    parquet = ShardedIndex.open(uri, use_gpu=False)
+    rng = np.random.default_rng(29)
+    rows = np.flatnonzero(in_file.live)[np.sort(rng.choice(in_file.live_total, 1203, replace=False))]
+    q = rng.standard_normal(DIM).astype(np.float32)
+    want = {"ip": vectors[rows] @ q, "l2": ((vectors[rows] - q) ** 2).sum(axis=1)}
+    for held in (in_file, in_memory, parquet):
+        for metric in ("ip", "l2"):
+            np.testing.assert_allclose(held.scores_at(q, rows, metric), want[metric], rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError):
+        backend.scores_of_rows(vectors, q, np.array([0, len(vectors)]), "ip")
+    assert scan_like_faiss(in_file, np.random.default_rng(31), monkeypatch, 30) >= 5

@@ -19,6 +19,7 @@ import pytest
 from puma.config import IndexConfig, load_config
 from puma.index import ShardedIndex, build_index, read_manifest
 from puma.index import lookup as index_lookup
+from puma.index import rows as index_rows
 from puma.index import search as index_search
 from puma.index.build import commit_changes, compact
 from puma.index.cache import PREFIX, LocalCache
@@ -116,8 +117,8 @@ def test_item_ids_are_found_through_hash_collisions(tmp_path, monkeypatch):
     uri = grown_index(tmp_path)
     real = index_lookup.hash_ids
     monkeypatch.setattr(index_lookup, "hash_ids", lambda ids: real(ids) % np.uint64(3))  # 3 hashes in all
-    monkeypatch.setattr(index_search, "hash_ids", index_lookup.hash_ids)
-    monkeypatch.setattr(index_search, "hash_id", lambda item: hash_id(item) % 3)
+    monkeypatch.setattr(index_rows, "hash_ids", index_lookup.hash_ids)
+    monkeypatch.setattr(index_rows, "hash_id", lambda item: hash_id(item) % 3)
     index = ShardedIndex.open(uri, use_gpu=False)
     truth = scan(index)
     assert [index.find(item) for item in ASKED] == [truth.get(item, -1) for item in ASKED]

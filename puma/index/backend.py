@@ -240,3 +240,34 @@ def search_preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, lists: np.nda
     ivf.search_preassigned_c(n, faiss.swig_ptr(q), k, faiss.swig_ptr(lists), faiss.swig_ptr(coarse_scores),
                              faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params)
     return scores, ids
+
+
+SCORE_PART_ROWS = 2048  # rows scored per thread at least: below, one thread scores them all
+
+
+def scores_of_rows(matrix: np.ndarray, q: np.ndarray, rows: np.ndarray, metric: str) -> np.ndarray:
+    """One query q (E,) against ``matrix[rows]`` (matrix (N, E) float32 C-contiguous, e.g. mapped from a
+    column file; rows (n,) in [0, N)) without gathering them: (n,) float32 inner products ("ip") or
+    squared distances ("l2"). The rows are split between FAISS's threads (each row scored alone, so
+    its score does not depend on the others): a narrow filter's scan reads rows scattered over the
+    matrix, and the read, not the arithmetic, is its cost."""
+    import faiss
+
+    n, dim = len(rows), matrix.shape[1]
+    if n == 0:
+        return np.zeros(0, dtype=np.float32)
+    if matrix.dtype != np.float32 or not matrix.flags.c_contiguous or q.shape != (dim,):
+        raise ValueError(f"scores_of_rows needs a C-contiguous float32 (N, {dim}) matrix and a ({dim},) "
+                         f"query; got {matrix.dtype} {matrix.shape} and {q.shape}")
+    if rows.min() < 0 or rows.max() >= len(matrix):
+        raise IndexError(f"rows outside [0, {len(matrix)}) asked of a {len(matrix)}-row matrix")
+    parts = max(1, min(faiss.omp_get_max_threads(), n // SCORE_PART_ROWS))
+    width = -(-n // parts)
+    ids = np.full(parts * width, rows[0], dtype=np.int64)  # the last part padded with a real row
+    ids[:n] = rows
+    x = np.ascontiguousarray(np.broadcast_to(q.astype(np.float32), (parts, dim)))
+    out = np.empty(parts * width, dtype=np.float32)
+    by_ids = faiss.fvec_inner_products_by_idx if metric == "ip" else faiss.fvec_L2sqr_by_idx
+    by_ids(faiss.swig_ptr(out), faiss.swig_ptr(x), faiss.swig_ptr(matrix), faiss.swig_ptr(ids), dim, parts,
+           width)  # every array above is held by a name until the call returns (swig_ptr keeps none)
+    return out[:n]

@@ -10,9 +10,10 @@ column (``typed_text``). A metadata key named like a built-in column is shadowed
 whose values repeat are dictionary-encoded, so a category or brand costs a byte or two per item.
 
 Few selected rows (``brute_force``: at most ``BRUTE_FORCE_VALUES`` rows x dimensions) are scanned
-exactly (``exact_topk``): their stored embeddings are gathered (``ShardedIndex.vectors_at``: from the
-replica's column file, memory-mapped, or the shards' Parquet) and ranked with numpy, whatever the index
-type, so a selective filter costs what it selects, not what the index holds. On IVF, where the lists
+exactly (``ranked_topk``): their stored embeddings are scored where they lie (``IndexRows.scores_at``:
+FAISS on the replica's memory-mapped column file or held column; else gathered from the shards'
+Parquet), the best 2k + 8 gathered and ranked in float64, whatever the index type, so a selective
+filter costs what it selects, not what the index holds. On IVF, where the lists
 an IVF search with the selection would visit (``filtered_nprobe``, below) are fewer than all, only
 the selected rows in those lists nearest the query are gathered and ranked (``near_rows``: the same
 candidates that search meets; each row's list is kept per loaded shard at 2 bytes an item, reused by
@@ -40,11 +41,13 @@ with the selection. When fewer pass, the selection is made as above.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from puma.index import backend
 from puma.index.cache import as_dictionary
 from puma.index.filter_eval import column_types, describe_columns
 from puma.index.metadata import metadata_columns
@@ -55,8 +58,9 @@ SOURCE_COLUMNS = (*BUILT_IN, METADATA)  # what a shard's filter table is made fr
 FULL_SCAN_SHARE = 0.8  # visit every list once nprobe / fraction reaches this share of them: measured, the
 # share where visiting nprobe / f lists costs as much as every list (bench/results/bench_filters.md)
 BRUTE_FORCE_VALUES = 5_000_000  # a selection of at most this many rows x dimensions is scanned exactly:
-# measured, where the scan (about 80 ns a row to gather a 64-d embedding, then numpy) costs as much as
-# FAISS with the selection, about 80,000 rows at 64-d of a 1M-item IVF index (bench/results/bench_filters.md)
+# measured where the scan (then: about 80 ns a row to gather a 64-d embedding, then numpy) cost as much as
+# FAISS with the selection, about 80,000 rows at 64-d of a 1M-item IVF index; the in-place scan is faster
+# than FAISS up to 20% at least (bench/results/bench_filters.md), see docs/performance.md
 POST_FILTER_SHARE = 0.4  # a filter keeping at least this share of the items (estimated on SAMPLE_ROWS
 # of them) filters the hits of an unfiltered search of POST_FILTER_MARGIN x k / share items: measured at
 # 1M items, such a search over nprobe / share lists (40 hits at 50%) holds the filtered top 10 with
@@ -190,35 +194,53 @@ def near_rows(row_lists: np.ndarray, probed: np.ndarray, nlist: int) -> np.ndarr
     pads)."""
     near = np.zeros(nlist + 1, dtype=bool)  # the last entry: list -1, near no query
     near[probed[probed >= 0]] = True
-    return near[row_lists]
+    return np.take(near, row_lists)  # a third of the time of near[row_lists] with int16 lists
 
 
 def exact_topk(vectors: np.ndarray, rows: np.ndarray, q: np.ndarray, k: int,
                metric: str) -> tuple[np.ndarray, np.ndarray]:
     """The exact top-k of queries (Q, E) among rows (n,) ascending, with their vectors (n, E): (Q, k)
     scores (inner products for "ip", squared distances for "l2", as FAISS gives them) and rows, best
-    first, equal scores in row order; -1 pads (score -inf for ip, +inf for l2) when n < k.
+    first, equal scores in row order; -1 pads (score -inf for ip, +inf for l2) when n < k."""
+    return ranked_topk(first_scores(vectors, q, metric), rows, q, k, metric, lambda at: vectors[at])
 
-    Every row is scored in float32; the best 2k + 8 are scored again in float64 and ranked by that, so
-    a row's score and rank do not depend on which other rows were scanned with it (an index partition
-    scans its own share of the selected rows)."""
+
+def first_scores(vectors: np.ndarray, q: np.ndarray, metric: str) -> np.ndarray:
+    """(Q, n) float32 scores of queries (Q, E) against vectors (n, E): one query through FAISS
+    (``backend.scores_of_rows``, in FAISS's threads, which a scan's reads use too: numpy's BLAS threads,
+    which spin on for a while after each product, took the cores from them, p99 up to 40 ms at 1M),
+    more with numpy's matrix product."""
+    if len(q) == 1 and vectors.dtype == np.float32 and vectors.flags.c_contiguous and len(vectors):
+        return backend.scores_of_rows(vectors, q[0], np.arange(len(vectors)), metric)[None, :]
+    return vector_scores(vectors, q, metric == "ip")
+
+
+def ranked_topk(scores: np.ndarray, rows: np.ndarray, q: np.ndarray, k: int, metric: str,
+                vectors_at: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``exact_topk`` from every row's float32 scores (Q, n) (``vector_scores``, or
+    ``IndexRows.scores_at``): each query's best 2k + 8 are scored again in float64 from their vectors
+    (``vectors_at``: positions (m,) ascending -> (m, E)) and ranked by that, so a row's score and rank
+    do not depend on which other rows were scanned with it (an index partition scans its own share
+    of the selected rows)."""
     largest = metric == "ip"
     take = min(k, len(rows))
-    shortlist = _best(_scores(vectors, q, largest), min(len(rows), 2 * k + 8), largest)  # (Q, m)
-    exact = np.stack([_scores(vectors[s].astype(np.float64), qi[None, :].astype(np.float64), largest)[0]
-                      for s, qi in zip(shortlist, q, strict=True)]) if len(rows) else np.zeros((len(q), 0))
-    key = -exact if largest else exact
-    order = np.lexsort((np.take(rows, shortlist), key), axis=-1)[:, :take] if len(rows) else \
-        np.zeros((len(q), 0), dtype=np.int64)  # by score, then row
     out_scores = np.full((len(q), k), -np.inf if largest else np.inf, dtype=np.float32)
     out_rows = np.full((len(q), k), -1, dtype=np.int64)
+    if not len(rows):
+        return out_scores, out_rows
+    shortlist = np.sort(_best(scores, min(len(rows), 2 * k + 8), largest), axis=1)  # (Q, m)
+    exact = np.stack([vector_scores(vectors_at(s).astype(np.float64), qi[None, :].astype(np.float64),
+                                    largest)[0] for s, qi in zip(shortlist, q, strict=True)])
+    key = -exact if largest else exact
+    order = np.lexsort((np.take(rows, shortlist), key), axis=-1)[:, :take]  # by score, then row
     out_scores[:, :take] = np.take_along_axis(exact, order, axis=1)
     out_rows[:, :take] = rows[np.take_along_axis(shortlist, order, axis=1)]
     return out_scores, out_rows
 
 
-def _scores(vectors: np.ndarray, q: np.ndarray, largest: bool) -> np.ndarray:
-    """(Q, n) inner products, or squared distances, in the inputs' precision."""
+def vector_scores(vectors: np.ndarray, q: np.ndarray, largest: bool) -> np.ndarray:
+    """(Q, n) inner products (``largest``), or squared distances, of queries (Q, E) and vectors (n, E),
+    in the inputs' precision."""
     products = q @ vectors.T
     if largest:
         return products

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,6 +28,7 @@ from puma.index.layout import IndexFolder
 from puma.index.lookup import IdLookup
 from puma.index.manifest import IndexIntegrityError, ShardEntry, live_rows, read_checked, removed_ids
 from puma.index.plan import IndexInputError
+from puma.index.ranges import SortedColumn, sorted_column
 from puma.index.table import EMBEDDING, ITEM_ID
 
 if TYPE_CHECKING:
@@ -80,6 +81,14 @@ class LoadedShard:
     files: tuple[str, ...] = ()  # names in holding.cache
     filters: pa.Table | None = None  # holding.filters: the shard's filter table (puma.index.filtered)
     _row_lists: np.ndarray | None = None  # each row's IVF list, made at the first scan that needs it
+    sorted_columns: dict[str, SortedColumn | None] = field(default_factory=dict, repr=False)  # made at
+    # a column's first range filter; shared with a reload of the same Parquet file (same filter table)
+
+    def sorted_column(self, name: str) -> SortedColumn | None:
+        """The filter table's number column ``name`` sorted (``puma.index.ranges``), made once."""
+        if name not in self.sorted_columns:
+            self.sorted_columns[name] = sorted_column(self.filters, name)
+        return self.sorted_columns[name]
 
     def row_lists(self, cpu_index: faiss.Index, nlist: int) -> np.ndarray:
         """Each row's inverted list in ``cpu_index`` (this shard's CPU IVF index; -1: removed), made
@@ -103,15 +112,19 @@ class LoadedShard:
 
     def vectors(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The held embedding column at rows (n,) into ``out`` (n, E) float32."""
-        held = self.arrays.get(EMBEDDING)
-        if held is None:
-            matrix = self.file.matrix(EMBEDDING)
-        else:
-            matrix = held.flatten().to_numpy(zero_copy_only=False).reshape(len(held), -1)
+        matrix = self.matrix()
         if matrix.dtype == np.float32:
             np.take(matrix, rows, axis=0, out=out)
         else:
             out[:] = matrix[rows]
+
+    def matrix(self) -> np.ndarray:
+        """The held embedding column as an (n, E) array: mapped from the column file, or over the
+        Arrow column in memory (call only where ``holds(EMBEDDING)``)."""
+        held = self.arrays.get(EMBEDDING)
+        if held is None:
+            return self.file.matrix(EMBEDDING)
+        return held.flatten().to_numpy(zero_copy_only=False).reshape(len(held), -1)
 
     def values(self, row: int, columns: list[str]) -> dict:
         """One row's values of ``columns`` as Python objects (an embedding: float32 (E,) from the file)."""
@@ -162,7 +175,8 @@ def load_shard(uri: str, entry: ShardEntry, use_gpu: bool, keep_cpu: bool, holdi
             os.unlink(path)
         if backend.lists_on_disk(kept, path):
             files = (*files, name)
-    return LoadedShard(entry, index, kept, arrays, file, live, ids, on_gpu, files, filters)
+    return LoadedShard(entry, index, kept, arrays, file, live, ids, on_gpu, files, filters,
+                       sorted_columns=rows_of.sorted_columns if rows_of is not None else {})
 
 
 def _load_columns(uri: str, entry: ShardEntry, holding: Holding) -> tuple[

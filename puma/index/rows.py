@@ -14,13 +14,16 @@ from functools import cached_property
 import numpy as np
 import pyarrow as pa
 
+from puma.index import backend
 from puma.index.filter_eval import evaluate
-from puma.index.filtered import SAMPLE_ROWS, merged_description, merged_types
+from puma.index.filtered import SAMPLE_ROWS, merged_description, merged_types, vector_scores
 from puma.index.filters import Filter, check_filter
 from puma.index.layout import IndexFolder
 from puma.index.loaded import Holding, LoadedShard
+from puma.index.lookup import hash_id, hash_ids
 from puma.index.manifest import Manifest
 from puma.index.plan import IndexInputError
+from puma.index.ranges import RANGE_SHARE, range_only, required_ranges
 from puma.index.table import EMBEDDING, ITEM_ID, embedding_matrix, read_columns, read_rows
 
 
@@ -76,6 +79,39 @@ class IndexRows:
             return np.zeros(0, dtype=bool)
         return np.concatenate([evaluate(where, t) for t in tables]) & self.live
 
+    def range_rows(self, where: Filter) -> np.ndarray | None:
+        """The rows ``where`` selects, ascending, removed rows never, found through a number range it
+        requires (``puma.index.ranges``) when its narrowest holds at most RANGE_SHARE of the rows: that
+        range's rows from each shard's sorted column, then ``where`` evaluated on them alone (not where it
+        is nothing but that range and the slice is exact: the rows are the answer). None where
+        no such range is narrow enough (``filter_mask`` evaluates every row). A FilterError as
+        ``filter_mask`` raises it."""
+        check_filter(where, self.filter_types)
+        best = None
+        for name, bounds in required_ranges(where).items():
+            columns = [s.sorted_column(name) for s in self._loaded]
+            if any(c is None for c in columns):
+                continue
+            spans = [c.span(bounds) for c in columns]
+            count = sum(high - low for low, high, _ in spans)
+            if best is None or count < best[0]:
+                best = (count, name, columns, spans)
+        if best is None or best[0] > RANGE_SHARE * self.ntotal:
+            return None
+        _, name, columns, spans = best
+        only = range_only(where, name)
+        found = []
+        for shard, column, (low, high, exact), table, offset in zip(self._loaded, columns, spans,
+                                                                    self._filter_tables(), self._offsets,
+                                                                    strict=True):
+            local = np.sort(column.order[low:high])
+            keep = np.take(shard.live, local)
+            if not (only and exact):  # the whole filter, on these rows alone
+                named = table.select([c for c in table.column_names if c in where.columns()])
+                keep &= evaluate(where, named.take(pa.array(local)))
+            found.append(local[keep].astype(np.int64) + offset)
+        return np.concatenate(found)
+
     def filter_share(self, where: Filter) -> float:
         """The share of live items ``where`` selects, estimated on a fixed sample of them (up to
         SAMPLE_ROWS drawn at random, the same for a state); a FilterError as ``filter_mask`` raises it
@@ -99,7 +135,8 @@ class IndexRows:
         tables = self._filter_tables()
         for s in np.unique(shard):
             at = shard == s
-            out[found[at]] = evaluate(where, tables[s].take(pa.array(local[at])))
+            named = tables[s].select([c for c in tables[s].column_names if c in where.columns()])
+            out[found[at]] = evaluate(where, named.take(pa.array(local[at])))
         out[found] &= self.live[rows[found]]
         return out
 
@@ -126,6 +163,57 @@ class IndexRows:
                 loaded.vectors(local[at], out[at])
             else:
                 out[at] = embedding_matrix(self.rows(rows[at], [ITEM_ID, EMBEDDING]))
+        return out
+
+    def find(self, item_id: str) -> int:
+        """The live row of one item id, -1 when the index does not hold it (a hash lookup)."""
+        h = np.uint64(hash_id(item_id))
+        for shard, offset in zip(self._loaded, self._offsets.tolist(), strict=True):
+            row = shard.ids.find(item_id, h, shard.live, shard.item_id)
+            if row >= 0:
+                return offset + row
+        return -1
+
+    def lookup(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
+        """Item ids -> rows (int64); raises IndexInputError naming any that are not indexed (or removed)."""
+        wanted = [str(x) for x in item_ids]
+        hashes = hash_ids(pa.array(wanted, type=pa.string()))  # (n,)
+        rows = np.full(len(wanted), -1, dtype=np.int64)
+        for shard, offset in zip(self._loaded, self._offsets.tolist(), strict=True):
+            todo = np.flatnonzero(rows < 0)
+            if not len(todo):
+                break
+            found = shard.ids.find_many([wanted[i] for i in todo], hashes[todo], shard.live, shard.item_id)
+            rows[todo[found >= 0]] = found[found >= 0] + offset
+        if (rows < 0).any():
+            missing = [wanted[i] for i in np.flatnonzero(rows < 0)[:10]]
+            raise IndexInputError(f"{int((rows < 0).sum())} item id(s) are not in index {self.uri}, "
+                                  f"e.g. {missing}")
+        return rows
+
+    def embeddings(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
+        """Stored embeddings of indexed items (n,) -> (n, E) float32 (see ``vector``)."""
+        rows = self.lookup(item_ids)
+        if len(rows) and all(s.holds(EMBEDDING) for s in self._loaded):
+            return np.stack([self.vector(r) for r in rows.tolist()])
+        return embedding_matrix(self.rows(rows, [ITEM_ID, EMBEDDING]))
+
+    def scores_at(self, q: np.ndarray, rows: np.ndarray, metric: str) -> np.ndarray:
+        """One query q (E,) scored in float32 against the stored embeddings of rows (n,), ascending: (n,)
+        inner products ("ip") or squared distances ("l2"). Read in place where a shard holds its
+        embeddings as a float32 matrix (``backend.scores_of_rows``: no gathered copy, in FAISS's
+        threads), else from their gathered copy (``vectors_at``)."""
+        shard, local = self.locate(rows)
+        bounds = np.searchsorted(shard, np.arange(len(self._loaded) + 1))
+        out = np.empty(len(rows), dtype=np.float32)
+        for s in np.flatnonzero(np.diff(bounds)):
+            at = slice(bounds[s], bounds[s + 1])
+            loaded = self._loaded[s]
+            matrix = loaded.matrix() if loaded.holds(EMBEDDING) else None
+            if matrix is not None and matrix.dtype == np.float32 and matrix.flags.c_contiguous:
+                out[at] = backend.scores_of_rows(matrix, q, local[at], metric)
+            else:
+                out[at] = vector_scores(self.vectors_at(rows[at]), q[None, :], metric == "ip")[0]
         return out
 
     def _to_rows(self, ids: np.ndarray) -> np.ndarray:

@@ -31,16 +31,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from puma.index import backend, filtered
-from puma.index.filtered import brute_force, exact_topk, filtered_nprobe, near_rows
+from puma.index.filtered import brute_force, exact_topk, filtered_nprobe, near_rows, ranked_topk
 from puma.index.loaded import Holding, LoadedShard, fingerprint, load_shards
-from puma.index.lookup import hash_id, hash_ids
 from puma.index.manifest import Manifest, read_checked, read_manifest
 from puma.index.plan import IndexInputError
 from puma.index.rows import IndexRows
-from puma.index.table import EMBEDDING, ITEM_ID, embedding_matrix
 from puma.index.verify import verify
 
 if TYPE_CHECKING:
@@ -199,17 +196,26 @@ class ShardedIndex(IndexRows):
             return exact_topk(chosen.vectors, chosen.rows, q, k, metric)
         lists = filtered_nprobe(nprobe, nlist, chosen.count, self.live_total) if nlist else 0
         if lists >= nlist or self._cpu_shards is None:
-            return exact_topk(self.vectors_at(chosen.rows), chosen.rows, q, k, metric)
-        row_lists = self._row_lists[chosen.rows]  # (n,)
+            return self._scan_rows(q, chosen.rows, k)
+        row_lists = np.take(self._row_lists, chosen.rows)  # (n,)
         _, probed = self._cpu_coarse.search(q, lists)  # (Q, lists)
         parts = []
         for query, near in zip(q, probed, strict=True):
-            rows = chosen.rows[near_rows(row_lists, near, nlist)]
-            part = exact_topk(self.vectors_at(rows), rows, query[None, :], k, metric)
+            rows = np.compress(near_rows(row_lists, near, nlist), chosen.rows)
+            part = self._scan_rows(query[None, :], rows, k)
             if (part[1] >= 0).sum() < min(k, len(chosen.rows)):  # too few near: every selected row
-                part = exact_topk(self.vectors_at(chosen.rows), chosen.rows, query[None, :], k, metric)
+                part = self._scan_rows(query[None, :], chosen.rows, k)
             parts.append(part)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _scan_rows(self, q: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The exact top-k of queries (Q, E) among rows (n,) ascending: one query scores them where they
+        are stored (``scores_at``), more share one gathered copy of their vectors."""
+        metric = self.manifest.metric
+        if len(q) > 1:
+            return exact_topk(self.vectors_at(rows), rows, q, k, metric)
+        return ranked_topk(self.scores_at(q[0], rows, metric)[None, :], rows, q, k, metric,
+                           lambda at: self.vectors_at(rows[at]))
 
     @cached_property
     def _row_lists(self) -> np.ndarray:
@@ -260,6 +266,14 @@ class ShardedIndex(IndexRows):
         if brute_force(count, self.dim):  # scanned exactly: FAISS's bitmap is never needed
             return Selection(np.zeros(0, np.uint8), size, count, np.flatnonzero(rows_mask))
         return Selection(self._bitmap(rows_mask), size, count)
+
+    def select_rows(self, rows: np.ndarray) -> Selection:
+        """``select`` from the selected rows (ascending, live) instead of a mask."""
+        size = self.ntotal if self._gapless else self.manifest.next_id
+        chosen = Selection(np.zeros(0, np.uint8), size, len(rows), rows)
+        if brute_force(len(rows), self.dim):
+            return chosen
+        return dataclasses.replace(chosen, bits=self._bits(chosen), rows=None)
 
     def _bits(self, chosen: Selection) -> np.ndarray:
         """FAISS's bitmap of a selection (made from its rows when it was left out: a scan needs none)."""
@@ -338,39 +352,6 @@ class ShardedIndex(IndexRows):
         if not np.isfinite(q).all():
             raise IndexInputError("queries have NaN or Inf values")
         return np.ascontiguousarray(q, dtype=np.float32)
-
-    def find(self, item_id: str) -> int:
-        """The live row of one item id, -1 when the index does not hold it (a hash lookup)."""
-        h = np.uint64(hash_id(item_id))
-        for shard, offset in zip(self._loaded, self._offsets.tolist(), strict=True):
-            row = shard.ids.find(item_id, h, shard.live, shard.item_id)
-            if row >= 0:
-                return offset + row
-        return -1
-
-    def lookup(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
-        """Item ids -> rows (int64); raises IndexInputError naming any that are not indexed (or removed)."""
-        wanted = [str(x) for x in item_ids]
-        hashes = hash_ids(pa.array(wanted, type=pa.string()))  # (n,)
-        rows = np.full(len(wanted), -1, dtype=np.int64)
-        for shard, offset in zip(self._loaded, self._offsets.tolist(), strict=True):
-            todo = np.flatnonzero(rows < 0)
-            if not len(todo):
-                break
-            found = shard.ids.find_many([wanted[i] for i in todo], hashes[todo], shard.live, shard.item_id)
-            rows[todo[found >= 0]] = found[found >= 0] + offset
-        if (rows < 0).any():
-            missing = [wanted[i] for i in np.flatnonzero(rows < 0)[:10]]
-            raise IndexInputError(f"{int((rows < 0).sum())} item id(s) are not in index {self.uri}, "
-                                  f"e.g. {missing}")
-        return rows
-
-    def embeddings(self, item_ids: list[str] | np.ndarray) -> np.ndarray:
-        """Stored embeddings of indexed items (n,) -> (n, E) float32 (see ``vector``)."""
-        rows = self.lookup(item_ids)
-        if len(rows) and all(s.holds(EMBEDDING) for s in self._loaded):
-            return np.stack([self.vector(r) for r in rows.tolist()])
-        return embedding_matrix(self.rows(rows, [ITEM_ID, EMBEDDING]))
 
     def search_by_item_id(self, item_ids: list[str] | np.ndarray, k: int, exclude_self: bool = True,
                           nprobe: int | None = None, allowed: np.ndarray | Selection | None = None

@@ -65,6 +65,7 @@ from puma.serve.selection import (
     filter_mask,
     live_counts,
     named_filters,
+    range_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -268,27 +269,29 @@ class LiveIndex:
         ``_allowed``). A broad metadata filter is evaluated on the hits of an unfiltered search instead
         (``ShardedIndex.search_post_filtered``) where that answers: the same hits, sooner than with its
         selection, even a cached one (made when too few hits passed for another query)."""
-        mask = None
+        mask = rows = None
         if where is not None and not datasets and not catalogues and \
                 where.columns() <= state.index.filter_types.keys():
             share = state.shares.get(where.key)  # counted already: its hits are evaluated on their own
-            if share is None:  # evaluated once: its share, then its hits or its selection
-                mask, _ = filter_mask(state.index, where, strict)
-                share = _remember(state.shares, where.key, np.count_nonzero(mask) / max(1, state.items))
+            if share is None:  # evaluated once (a narrow range's rows, else a mask): its share, then its
+                rows = range_rows(state.index, where)  # hits or its selection
+                mask = filter_mask(state.index, where, strict)[0] if rows is None else None
+                share = _remember(state.shares, where.key, (len(rows) if rows is not None else
+                                                            np.count_nonzero(mask)) / max(1, state.items))
             try:
                 found = state.index.search_post_filtered(q, k, where, share=share, mask=mask)
             except FilterError as exc:
                 raise RequestError(422, str(exc)) from exc
             if found is not None:
                 return *found, []
-        allowed, unknown = self._allowed(state, datasets, catalogues, where, strict, mask)
+        allowed, unknown = self._allowed(state, datasets, catalogues, where, strict, mask, rows)
         return *state.index.search_ids(q, k, allowed=allowed), unknown
 
     def _allowed(self, state: State, datasets: tuple[str, ...], catalogues: tuple[str, ...],
-                 where: Filter | None = None, strict: bool = True,
-                 mask: np.ndarray | None = None) -> tuple[Selection | None, list[str]]:
+                 where: Filter | None = None, strict: bool = True, mask: np.ndarray | None = None,
+                 rows: np.ndarray | None = None) -> tuple[Selection | None, list[str]]:
         """The items in the named datasets and catalogues that ``where`` selects (None: no filter;
-        ``mask``: its rows, where already evaluated), selected for FAISS once per filter and state, and
+        ``mask`` or ``rows``: them, where already found), selected for FAISS once per filter and state, and
         the names no live item has: a 422 naming them when ``strict``, else returned (they match
         nothing). A selection scanned exactly holds its rows' embeddings from its second use on."""
         if not datasets and not catalogues and where is None:
@@ -298,14 +301,19 @@ class LiveIndex:
             if len(state.selections) >= MAX_CACHED_FILTERS:
                 state.selections.clear()
                 state.selection_bytes = 0
-            live = state.index.live
-            by_dataset, unknown_datasets = column_mask(state.index, DATASET, datasets, live)
-            by_catalogue, unknown_catalogues = catalogue_mask(state.index, catalogues, live)
-            by_filter, unknown_columns = (mask, []) if mask is not None else filter_mask(state.index, where,
-                                                                                         strict)
-            masks = [m for m in (by_dataset, by_catalogue, by_filter) if m is not None]
-            chosen = state.index.select(functools.reduce(np.logical_and, masks, live))
-            state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
+            if rows is None and mask is None and not datasets and not catalogues:
+                rows = range_rows(state.index, where)
+            if rows is not None:  # a narrow number range's rows (no dataset or catalogue named)
+                state.selections[key] = (state.index.select_rows(rows), [], [], [])
+            else:
+                live = state.index.live
+                by_dataset, unknown_datasets = column_mask(state.index, DATASET, datasets, live)
+                by_catalogue, unknown_catalogues = catalogue_mask(state.index, catalogues, live)
+                by_filter, unknown_columns = (mask, []) if mask is not None else \
+                    filter_mask(state.index, where, strict)
+                masks = [m for m in (by_dataset, by_catalogue, by_filter) if m is not None]
+                chosen = state.index.select(functools.reduce(np.logical_and, masks, live))
+                state.selections[key] = (chosen, unknown_datasets, unknown_catalogues, unknown_columns)
         else:  # a repeated filter
             state.selections[key] = (self._held(state, state.selections[key][0]), *state.selections[key][1:])
         chosen, unknown_datasets, unknown_catalogues, unknown_columns = state.selections[key]

@@ -1,7 +1,7 @@
 """What a query's filters select among a served index's items (puma.serve.live_index): its datasets,
 catalogues (each named by URI or folder name) and metadata filter (puma.index.filters) as masks over
-the index's held columns, with the names no live item has (the 422s name them), and the live items'
-counts per dataset or catalogue (GET /stats).
+the index's held columns (a narrow number range as its rows), with the names no live item has (the
+422s name them), and the live items' counts per dataset or catalogue (GET /stats).
 """
 
 from __future__ import annotations
@@ -80,6 +80,17 @@ def filter_mask(index: ShardedIndex, where: Filter | None, strict: bool) -> tupl
     unknown = sorted(c for c in where.columns() if c not in types)
     try:
         return index.filter_mask(where, unknown_ok=not strict), [] if strict else unknown
+    except FilterError as exc:
+        raise RequestError(422, str(exc)) from exc
+
+
+def range_rows(index: ShardedIndex, where: Filter | None) -> np.ndarray | None:
+    """The rows of a narrow number range ``where`` requires, ascending (``IndexRows.range_rows``); None
+    where it requires none, or names a column this index lacks (evaluate it with ``filter_mask``)."""
+    if where is None or not where.columns() <= index.filter_types.keys():
+        return None
+    try:
+        return index.range_rows(where)
     except FilterError as exc:
         raise RequestError(422, str(exc)) from exc
 
