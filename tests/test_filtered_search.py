@@ -552,15 +552,17 @@ def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mas
         assert index.range_rows(parse_filter(unranged)) is None
 
 
-def test_the_scores_read_in_place_equal_numpy_on_every_holding_and_split_between_threads(tmp_path,
-                                                                                       monkeypatch):
-    """IndexRows.scores_at (FAISS reading the mapped or held float32 matrix in place, the rows split
-    between its threads) equals numpy on the gathered vectors, for ip and l2; and the scan over an index
-    holding its embeddings in a column file still equals FAISS with the selection."""
+def test_the_scores_read_in_place_equal_numpy_on_every_holding_and_open_no_thread_team(tmp_path, monkeypatch):
+    """IndexRows.scores_at (FAISS reading the mapped or held float32 matrix in place) equals numpy on
+    the gathered vectors, for ip and l2; it scores on the calling thread (FAISS's by-id functions would
+    open an OpenMP team, whose barrier stalls on a busy machine); and the scan over an index holding
+    its embeddings in a column file still equals FAISS with the selection."""
+    import os
+    import threading
+
     from puma.index import backend
     from puma.index.cache import LocalCache
 
-    monkeypatch.setattr(backend, "SCORE_PART_ROWS", 100)  # this small index's rows in several parts
     uri, vectors = str(tmp_path / "ivf_flat"), all_vectors(built(tmp_path, "ivf_flat"))
     in_file = ShardedIndex.open(uri, nprobe=4, use_gpu=False, holding=Holding(
         file_columns=("item_id", "embedding"), filters=True, cache=LocalCache(str(tmp_path / "cache"))))
@@ -575,4 +577,33 @@ def test_the_scores_read_in_place_equal_numpy_on_every_holding_and_split_between
             np.testing.assert_allclose(held.scores_at(q, rows, metric), want[metric], rtol=1e-5, atol=1e-5)
     with pytest.raises(IndexError):
         backend.scores_of_rows(vectors, q, np.array([0, len(vectors)]), "ip")
+
+    started = {}
+
+    def scan_on_a_new_thread() -> None:  # a thread's first OpenMP team leaves its workers running
+        before = len(os.listdir("/proc/self/task"))
+        in_file.scores_at(q, rows, "ip")
+        started["threads"] = len(os.listdir("/proc/self/task")) - before
+
+    thread = threading.Thread(target=scan_on_a_new_thread)
+    thread.start()
+    thread.join()
+    assert started == {"threads": 0}
     assert scan_like_faiss(in_file, np.random.default_rng(31), monkeypatch, 30) >= 5
+
+
+def test_the_nearest_lists_are_those_the_quantizers_search_returns():
+    """backend.nearest_lists (FAISS's list scores, np.argpartition) picks the same lists as the flat
+    quantizer's search, for inner product and L2, up to every list."""
+    import faiss
+
+    from puma.index import backend
+
+    rng = np.random.default_rng(37)
+    centroids = rng.standard_normal((512, DIM)).astype(np.float32)
+    for quantizer in (faiss.IndexFlatIP(DIM), faiss.IndexFlatL2(DIM)):
+        quantizer.add(centroids)
+        for q in rng.standard_normal((40, DIM)).astype(np.float32):
+            for count in (1, 37, 300, 511, 512, 600):
+                want = set(quantizer.search(q[None, :], min(count, 512))[1][0].tolist())
+                assert set(backend.nearest_lists(quantizer, q, count).tolist()) == want, count

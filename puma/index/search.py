@@ -198,9 +198,9 @@ class ShardedIndex(IndexRows):
         if lists >= nlist or self._cpu_shards is None:
             return self._scan_rows(q, chosen.rows, k)
         row_lists = np.take(self._row_lists, chosen.rows)  # (n,)
-        _, probed = self._cpu_coarse.search(q, lists)  # (Q, lists)
         parts = []
-        for query, near in zip(q, probed, strict=True):
+        for query in q:
+            near = backend.nearest_lists(self._cpu_coarse, query, lists)
             rows = np.compress(near_rows(row_lists, near, nlist), chosen.rows)
             part = self._scan_rows(query[None, :], rows, k)
             if (part[1] >= 0).sum() < min(k, len(chosen.rows)):  # too few near: every selected row
