@@ -522,7 +522,8 @@ def range_json(b) -> dict:
 def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mask_does(tmp_path):
     """IndexRows.range_rows: for random filters requiring a number range, after removals, a compaction
     and a shard whose rows lack the column, the rows equal the filter's mask wherever the range is
-    narrow enough to answer (and it answers those); or/not require no range and are left to the mask."""
+    narrow enough to answer (and it answers those); or/not require no range and are left to the mask.
+    IndexRows.range_count, for a filter that is only a range, equals the mask's count at any share."""
     from puma.index.ranges import RANGE_SHARE, required_ranges
 
     index = built(tmp_path, "flat")
@@ -530,22 +531,26 @@ def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mas
     lacking = table(N + 300, 200, 5)  # a shard without the stock column
     plain = [json.dumps({k: v for k, v in json.loads(m).items() if k != "stock"})
              for m in lacking.column("metadata").to_pylist()]
-    commit_changes(uri, lacking.set_column(6, "metadata", pa.array(plain)))
+    gone = index.global_ids(np.flatnonzero(index.live)[::11])  # and tombstones in every old shard
+    commit_changes(uri, lacking.set_column(6, "metadata", pa.array(plain)), gone)
     index = index.refreshed(read_manifest(uri))
     assert "stock" not in index._loaded[-1].filters.column_names
-    rng, answered, refused = np.random.default_rng(23), 0, 0
+    assert all(not s.live.all() for s in index._loaded[:-1]), "removed rows stay as rows, not live"
+    rng, answered, refused, counted_broad = np.random.default_rng(23), 0, 0, 0
     for _ in range(300):
         where = parse_filter(range_filter(rng))
-        rows, mask = index.range_rows(where), index.filter_mask(where)
+        rows, mask, count = index.range_rows(where), index.filter_mask(where), index.range_count(where)
+        assert count is None or count == mask.sum(), where.key  # counted without evaluating it
         if rows is None:  # refused: every range it requires holds more than RANGE_SHARE of the rows
             refused += 1
+            counted_broad += count is not None
             narrowest = min(index.filter_mask(parse_filter({column: range_json(b)})).sum()
                             for column, b in required_ranges(where).items())
             assert narrowest > 0.8 * RANGE_SHARE * index.live_total, where.key
             continue
         answered += 1
         assert np.array_equal(rows, np.flatnonzero(mask)), where.key
-    assert answered >= 200 and refused >= 20, (answered, refused)
+    assert answered >= 200 and refused >= 20 and counted_broad >= 10, (answered, refused, counted_broad)
     assert "stock" in index._loaded[0].sorted_columns  # made once, kept with the loaded shard
     for unranged in ({"or": [{"stock": {"lt": 3}}, {"stock": {"gt": 38}}]}, {"not": {"stock": {"gte": 1}}},
                      {"category": "boots"}):

@@ -206,10 +206,10 @@ def exact_topk(vectors: np.ndarray, rows: np.ndarray, q: np.ndarray, k: int,
 
 
 def first_scores(vectors: np.ndarray, q: np.ndarray, metric: str) -> np.ndarray:
-    """(Q, n) float32 scores of queries (Q, E) against vectors (n, E): one query through FAISS
-    (``backend.scores_of_rows``, in FAISS's threads, which a scan's reads use too: numpy's BLAS threads,
-    which spin on for a while after each product, took the cores from them, p99 up to 40 ms at 1M),
-    more with numpy's matrix product."""
+    """(Q, n) float32 scores of queries (Q, E) against vectors (n, E): one query through FAISS on the
+    calling thread (``backend.scores_of_rows``, as a scan's reads; numpy's product starts OpenBLAS's
+    threads, which spin on for a while after it and took the cores from FAISS's: p99 up to 40 ms at
+    1M), more with numpy's matrix product."""
     if len(q) == 1 and vectors.dtype == np.float32 and vectors.flags.c_contiguous and len(vectors):
         return backend.scores_of_rows(vectors, q[0], np.arange(len(vectors)), metric)[None, :]
     return vector_scores(vectors, q, metric == "ip")

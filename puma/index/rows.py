@@ -87,15 +87,7 @@ class IndexRows:
         no such range is narrow enough (``filter_mask`` evaluates every row). A FilterError as
         ``filter_mask`` raises it."""
         check_filter(where, self.filter_types)
-        best = None
-        for name, bounds in required_ranges(where).items():
-            columns = [s.sorted_column(name) for s in self._loaded]
-            if any(c is None for c in columns):
-                continue
-            spans = [c.span(bounds) for c in columns]
-            count = sum(high - low for low, high, _ in spans)
-            if best is None or count < best[0]:
-                best = (count, name, columns, spans)
+        best = self._narrowest_range(where)
         if best is None or best[0] > RANGE_SHARE * self.ntotal:
             return None
         _, name, columns, spans = best
@@ -111,6 +103,31 @@ class IndexRows:
                 keep &= evaluate(where, named.take(pa.array(local)))
             found.append(local[keep].astype(np.int64) + offset)
         return np.concatenate(found)
+
+    def range_count(self, where: Filter) -> int | None:
+        """The live rows ``where`` selects, counted from the sorted columns without evaluating it, where
+        it is nothing but a number range they hold exactly (any share of the rows); else None."""
+        check_filter(where, self.filter_types)
+        best = self._narrowest_range(where)
+        if best is None or not range_only(where, best[1]) or not all(exact for _, _, exact in best[3]):
+            return None
+        return sum(high - low if shard.live.all() else int(np.count_nonzero(np.take(shard.live,
+                                                                                     column.order[low:high])))
+                   for shard, column, (low, high, _) in zip(self._loaded, best[2], best[3], strict=True))
+
+    def _narrowest_range(self, where: Filter) -> tuple[int, str, list, list] | None:
+        """Of the number ranges ``where`` requires, the one holding the fewest rows: (rows, column, each
+        shard's sorted column, each shard's span); None where it requires none on a sorted column."""
+        best = None
+        for name, bounds in required_ranges(where).items():
+            columns = [s.sorted_column(name) for s in self._loaded]
+            if any(c is None for c in columns):
+                continue
+            spans = [c.span(bounds) for c in columns]
+            count = sum(high - low for low, high, _ in spans)
+            if best is None or count < best[0]:
+                best = (count, name, columns, spans)
+        return best
 
     def filter_share(self, where: Filter) -> float:
         """The share of live items ``where`` selects, estimated on a fixed sample of them (up to
@@ -201,8 +218,8 @@ class IndexRows:
     def scores_at(self, q: np.ndarray, rows: np.ndarray, metric: str) -> np.ndarray:
         """One query q (E,) scored in float32 against the stored embeddings of rows (n,), ascending: (n,)
         inner products ("ip") or squared distances ("l2"). Read in place where a shard holds its
-        embeddings as a float32 matrix (``backend.scores_of_rows``: no gathered copy, in FAISS's
-        threads), else from their gathered copy (``vectors_at``)."""
+        embeddings as a float32 matrix (``backend.scores_of_rows``: no gathered copy, on the calling
+        thread), else from their gathered copy (``vectors_at``)."""
         shard, local = self.locate(rows)
         bounds = np.searchsorted(shard, np.arange(len(self._loaded) + 1))
         out = np.empty(len(rows), dtype=np.float32)

@@ -63,6 +63,7 @@ from puma.serve.selection import (
     catalogue_short_name,
     column_mask,
     filter_mask,
+    first_look,
     live_counts,
     named_filters,
     range_rows,
@@ -273,11 +274,9 @@ class LiveIndex:
         if where is not None and not datasets and not catalogues and \
                 where.columns() <= state.index.filter_types.keys():
             share = state.shares.get(where.key)  # counted already: its hits are evaluated on their own
-            if share is None:  # evaluated once (a narrow range's rows, else a mask): its share, then its
-                rows = range_rows(state.index, where)  # hits or its selection
-                mask = filter_mask(state.index, where, strict)[0] if rows is None else None
-                share = _remember(state.shares, where.key, (len(rows) if rows is not None else
-                                                            np.count_nonzero(mask)) / max(1, state.items))
+            if share is None:  # found once (selection.first_look): its share, then its hits or selection
+                share, mask, rows = first_look(state.index, where, strict)
+                _remember(state.shares, where.key, share)
             try:
                 found = state.index.search_post_filtered(q, k, where, share=share, mask=mask)
             except FilterError as exc:
