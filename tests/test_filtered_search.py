@@ -520,10 +520,10 @@ def range_json(b) -> dict:
 
 
 def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mask_does(tmp_path):
-    """IndexRows.range_rows: for random filters requiring a number range, after removals, a compaction
+    """IndexRows.range_match: for random filters requiring a number range, after removals, a compaction
     and a shard whose rows lack the column, the rows equal the filter's mask wherever the range is
     narrow enough to answer (and it answers those); or/not require no range and are left to the mask.
-    IndexRows.range_count, for a filter that is only a range, equals the mask's count at any share."""
+    Its count, for a filter that is only a range, equals the mask's count at any share."""
     from puma.index.ranges import RANGE_SHARE, required_ranges
 
     index = built(tmp_path, "flat")
@@ -539,7 +539,7 @@ def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mas
     rng, answered, refused, counted_broad = np.random.default_rng(23), 0, 0, 0
     for _ in range(300):
         where = parse_filter(range_filter(rng))
-        rows, mask, count = index.range_rows(where), index.filter_mask(where), index.range_count(where)
+        (rows, count), mask = index.range_match(where), index.filter_mask(where)
         assert count is None or count == mask.sum(), where.key  # counted without evaluating it
         if rows is None:  # refused: every range it requires holds more than RANGE_SHARE of the rows
             refused += 1
@@ -554,7 +554,7 @@ def test_a_narrow_number_range_finds_its_rows_from_the_sorted_columns_as_the_mas
     assert "stock" in index._loaded[0].sorted_columns  # made once, kept with the loaded shard
     for unranged in ({"or": [{"stock": {"lt": 3}}, {"stock": {"gt": 38}}]}, {"not": {"stock": {"gte": 1}}},
                      {"category": "boots"}):
-        assert index.range_rows(parse_filter(unranged)) is None
+        assert index.range_match(parse_filter(unranged)) == (None, None)
 
 
 def test_the_scores_read_in_place_equal_numpy_on_every_holding_and_open_no_thread_team(tmp_path, monkeypatch):

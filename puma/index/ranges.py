@@ -5,7 +5,7 @@ A filter that requires a range on a number column (``required_ranges``: a compar
 whose value lies in it. ``SortedColumn`` holds a shard's rows with a value, ordered by it, so the rows
 in a range are one slice (two binary searches) instead of a comparison over every row and a scan of
 the result. The slice holds at least the range's rows (an end the column's type cannot hold exactly
-is taken closed). ``puma.index.rows.IndexRows.range_rows`` takes them as they are (less removed rows)
+is taken closed). ``puma.index.rows.IndexRows.range_match`` takes them as they are (less removed rows)
 where the filter is nothing but that range and the slice exact; else it evaluates the whole filter on
 them alone, which keeps it exactly as ``filter_mask`` decides it.
 

@@ -79,19 +79,30 @@ class IndexRows:
             return np.zeros(0, dtype=bool)
         return np.concatenate([evaluate(where, t) for t in tables]) & self.live
 
-    def range_rows(self, where: Filter) -> np.ndarray | None:
-        """The rows ``where`` selects, ascending, removed rows never, found through a number range it
-        requires (``puma.index.ranges``) when its narrowest holds at most RANGE_SHARE of the rows: that
-        range's rows from each shard's sorted column, then ``where`` evaluated on them alone (not where it
-        is nothing but that range and the slice is exact: the rows are the answer). None where
-        no such range is narrow enough (``filter_mask`` evaluates every row). A FilterError as
-        ``filter_mask`` raises it."""
+    def range_match(self, where: Filter) -> tuple[np.ndarray | None, int | None]:
+        """What a number range ``where`` requires (``puma.index.ranges``) finds without evaluating every
+        row, from each shard's sorted column: (rows, count) where the narrowest holds at most RANGE_SHARE
+        of the rows (its rows, ascending, removed never, with ``where`` evaluated on them alone, not where
+        it is nothing but that range and the slice is exact); (None, count) where ``where`` is nothing
+        but a broader range the columns hold exactly (counted, not evaluated); else (None, None): evaluate
+        it with ``filter_mask``. A FilterError as ``filter_mask`` raises it."""
         check_filter(where, self.filter_types)
         best = self._narrowest_range(where)
-        if best is None or best[0] > RANGE_SHARE * self.ntotal:
-            return None
-        _, name, columns, spans = best
+        if best is None:
+            return None, None
+        count, name, columns, spans = best
         only = range_only(where, name)
+        if count <= RANGE_SHARE * self.ntotal:
+            rows = self._range_rows(where, columns, spans, only)
+            return rows, len(rows)
+        if not only or not all(exact for _, _, exact in spans):
+            return None, None
+        return None, sum(high - low if shard.live.all() else
+                         int(np.count_nonzero(np.take(shard.live, column.order[low:high])))
+                         for shard, column, (low, high, _) in zip(self._loaded, columns, spans, strict=True))
+
+    def _range_rows(self, where: Filter, columns: list, spans: list, only: bool) -> np.ndarray:
+        """The live rows of each shard's span that ``where`` selects, ascending (``range_match``)."""
         found = []
         for shard, column, (low, high, exact), table, offset in zip(self._loaded, columns, spans,
                                                                     self._filter_tables(), self._offsets,
@@ -99,21 +110,9 @@ class IndexRows:
             local = np.sort(column.order[low:high])
             keep = np.take(shard.live, local)
             if not (only and exact):  # the whole filter, on these rows alone
-                named = table.select([c for c in table.column_names if c in where.columns()])
-                keep &= evaluate(where, named.take(pa.array(local)))
+                keep &= evaluate(where, _named(table, where).take(pa.array(local)))
             found.append(local[keep].astype(np.int64) + offset)
         return np.concatenate(found)
-
-    def range_count(self, where: Filter) -> int | None:
-        """The live rows ``where`` selects, counted from the sorted columns without evaluating it, where
-        it is nothing but a number range they hold exactly (any share of the rows); else None."""
-        check_filter(where, self.filter_types)
-        best = self._narrowest_range(where)
-        if best is None or not range_only(where, best[1]) or not all(exact for _, _, exact in best[3]):
-            return None
-        return sum(high - low if shard.live.all() else int(np.count_nonzero(np.take(shard.live,
-                                                                                     column.order[low:high])))
-                   for shard, column, (low, high, _) in zip(self._loaded, best[2], best[3], strict=True))
 
     def _narrowest_range(self, where: Filter) -> tuple[int, str, list, list] | None:
         """Of the number ranges ``where`` requires, the one holding the fewest rows: (rows, column, each
@@ -152,8 +151,7 @@ class IndexRows:
         tables = self._filter_tables()
         for s in np.unique(shard):
             at = shard == s
-            named = tables[s].select([c for c in tables[s].column_names if c in where.columns()])
-            out[found[at]] = evaluate(where, named.take(pa.array(local[at])))
+            out[found[at]] = evaluate(where, _named(tables[s], where).take(pa.array(local[at])))
         out[found] &= self.live[rows[found]]
         return out
 
@@ -317,3 +315,8 @@ class IndexRows:
         parts = [read_columns(IndexFolder(self.uri).file(shard.embeddings.path), columns, missing_ok)
                  for shard in self.manifest.shards]
         return pa.concat_tables(parts, promote_options="permissive")
+
+
+def _named(table: pa.Table, where: Filter) -> pa.Table:
+    """The columns of a shard's filter table that ``where`` names (the rest need not be taken)."""
+    return table.select([c for c in table.column_names if c in where.columns()])

@@ -66,7 +66,7 @@ from puma.serve.selection import (
     first_look,
     live_counts,
     named_filters,
-    range_rows,
+    range_match,
 )
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class LiveIndex:
                 state.selections.clear()
                 state.selection_bytes = 0
             if rows is None and mask is None and not datasets and not catalogues:
-                rows = range_rows(state.index, where)
+                rows = range_match(state.index, where)[0]
             if rows is not None:  # a narrow number range's rows (no dataset or catalogue named)
                 state.selections[key] = (state.index.select_rows(rows), [], [], [])
             else:

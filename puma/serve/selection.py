@@ -84,13 +84,14 @@ def filter_mask(index: ShardedIndex, where: Filter | None, strict: bool) -> tupl
         raise RequestError(422, str(exc)) from exc
 
 
-def range_rows(index: ShardedIndex, where: Filter | None) -> np.ndarray | None:
-    """The rows of a narrow number range ``where`` requires, ascending (``IndexRows.range_rows``); None
-    where it requires none, or names a column this index lacks (evaluate it with ``filter_mask``)."""
+def range_match(index: ShardedIndex, where: Filter | None) -> tuple[np.ndarray | None, int | None]:
+    """What a number range ``where`` requires finds from the sorted columns (``IndexRows.range_match``):
+    a narrow range's rows (ascending) and their count, a broader range's count alone, or (None, None)
+    where it requires none or names a column this index lacks (evaluate it with ``filter_mask``)."""
     if where is None or not where.columns() <= index.filter_types.keys():
-        return None
+        return None, None
     try:
-        return index.range_rows(where)
+        return index.range_match(where)
     except FilterError as exc:
         raise RequestError(422, str(exc)) from exc
 
@@ -98,18 +99,13 @@ def range_rows(index: ShardedIndex, where: Filter | None) -> np.ndarray | None:
 def first_look(index: ShardedIndex, where: Filter, strict: bool) -> tuple[float, np.ndarray | None,
                                                                           np.ndarray | None]:
     """A new filter's share of the live items, and what finding it left: (share, mask, rows). A narrow
-    number range gives its rows (``range_rows``); a broader one that is nothing but a range is counted
-    from its sorted column and leaves nothing (its hits are evaluated alone); any other is evaluated on
-    every row (``filter_mask``)."""
-    rows, live = range_rows(index, where), max(1, index.live_total)
-    if rows is not None:
-        return len(rows) / live, None, rows
-    if where.columns() <= index.filter_types.keys():
-        count = index.range_count(where)
-        if count is not None:
-            return count / live, None, None
-    mask, _ = filter_mask(index, where, strict)
-    return np.count_nonzero(mask) / live, mask, None
+    number range gives its rows, a broader one that is nothing but a range only its count (its hits are
+    evaluated alone: ``range_match``); any other is evaluated on every row (``filter_mask``)."""
+    rows, count = range_match(index, where)
+    if count is None:
+        mask, _ = filter_mask(index, where, strict)
+        return np.count_nonzero(mask) / max(1, index.live_total), mask, None
+    return count / max(1, index.live_total), None, rows
 
 
 def _counts(column: pa.ChunkedArray) -> dict[str, int]:
