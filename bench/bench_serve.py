@@ -35,13 +35,20 @@ Their rows against "service vector" (one partition, the index inside the ingress
 cost as a measured difference (p50 diff ms); "same hits" checks that the partitioned answers equal
 the single service's for 100 queries (an exact merge).
 
-    service vector (no metrics)          the one-partition service again with serve.metrics=false:
-                                         its queries/s over "service vector"'s is the metrics' cost
-                                         (issue 54: at most 5%)
+    service vector (metrics on)          the one-partition service again, vector queries only
+    service vector (metrics off)         the same app with serve.metrics=false: its queries/s over
+                                         "metrics on"'s is the metrics' cost (issue 54: at most 5%);
+                                         the two apps differ in nothing else (the full service also
+                                         deploys the model, so it is not the baseline for this)
+
+Each round runs the rows in the order above, and the next round in the reverse order, so that no row
+always follows the same one (a row right after the in-process model's leaves its threads spinning).
+--only restricts the rows to those whose names contain one of its comma-separated words.
 
 ratio = service queries/s / numpy queries/s (above 1: the service answers more per second).
 recall@10 = the service's IVF hits against the brute-force top 10. Bounded: --requests per row
-(over all rounds) and --max-seconds per round of a row. Results: bench/results/serve.{json,md}.
+(over all rounds) and --max-seconds per round of a row. Results: bench/results/serve.{json,md}
+(serve_<words>.{json,md} for a run with --only <words>).
 """
 
 from __future__ import annotations
@@ -304,27 +311,32 @@ def deploy_partitioned(overrides: list[str], partitions: int, channels: list[str
     return rows
 
 
-def deploy_without_metrics(overrides: list[str], port: int, ingress: str) -> dict[str, tuple[int, str]]:
-    """The one-partition service again with serve.metrics=false (vector queries only), beside it: its
-    row against "service vector" is what the service's metrics cost. Direct ingress: the port given."""
+def deploy_metrics_pair(overrides: list[str], port: int, ingress: str) -> dict[str, tuple[int, str]]:
+    """The one-partition service twice more (vector queries only), with and without its metrics
+    (serve.metrics), beside it: the second's row against the first's is what the metrics cost, the two
+    apps being otherwise the same. Direct ingress: ``port`` and the next one."""
     from ray import serve
 
     from puma.serve.app import build_app
     from puma.serve.plan import plan_service
 
-    name = "no-metrics"
-    cfg = load_config(None, [*overrides, "serve.index_partitions=1", "serve.image_queries=false",
-                             "serve.metrics=false", f"serve.app_name={name}"])
-    serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
-    where = port, f"/{name}"
-    print(f"[bench] service vector (no metrics): at port {where[0]}{where[1]}", flush=True)
-    return {"service vector (no metrics)": where}
+    rows = {}
+    for i, (name, on) in enumerate((("metrics-on", True), ("metrics-off", False))):
+        cfg = load_config(None, [*overrides, "serve.index_partitions=1", "serve.image_queries=false",
+                                 f"serve.metrics={str(on).lower()}", f"serve.app_name={name}"])
+        serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
+        where = (port + i if ingress == "direct" else port), f"/{name}"
+        row = f"service vector (metrics {'on' if on else 'off'})"
+        rows[row] = where
+        print(f"[bench] {row}: at port {where[0]}{where[1]}", flush=True)
+    return rows
 
 
 def metrics_record_us(n: int = 20000) -> dict[str, float]:
-    """What recording one image query's metrics costs in a Ray worker (the ingress records five: the
-    counter, the histogram, the exact time, the model's and the index's stage times; a vector or item
-    query records four), on and off (serve.metrics=false), in microseconds."""
+    """What one image query's metrics cost in a Ray worker, in microseconds: noting them on the query's
+    path (the ingress notes five: the counter, the histogram, the exact time, the model's and the
+    index's stage times; a vector or item query four), on and off (serve.metrics=false), and handing
+    the notes to Ray's metrics in the replica's flushing thread, per query ("flush")."""
     import ray
 
     @ray.remote(num_cpus=0)
@@ -333,12 +345,17 @@ def metrics_record_us(n: int = 20000) -> dict[str, float]:
 
         out = {}
         for label, enabled in (("on", True), ("off", False)):
-            metrics, start = ServiceMetrics(enabled=enabled), time.perf_counter()
+            metrics, start = ServiceMetrics(enabled=enabled, flush_interval_s=3600), time.perf_counter()
             for _ in range(n):
                 metrics.stage("model", 0.0015)
                 metrics.stage("index", 0.0005)
                 metrics.request("/search", "image", 200, 0.0025)
             out[label] = round(1e6 * (time.perf_counter() - start) / n, 2)
+            if enabled:
+                start = time.perf_counter()
+                metrics.flush()
+                out["flush"] = round(1e6 * (time.perf_counter() - start) / n, 2)
+                metrics.close()
         return out
 
     return ray.get(measure.remote())
@@ -360,6 +377,7 @@ def ratios(rows: dict[tuple[str, int], Row]) -> list[dict]:
     pairs += [("image", "service image", "numpy image")]
     pairs += [(name.removeprefix("service "), name, "service vector")
               for name in dict.fromkeys(n for n, _ in rows) if name.startswith("service vector (")]
+    pairs += [("vector (metrics off)", "service vector (metrics off)", "service vector (metrics on)")]
     out = []
     for kind, name, reference in pairs:
         for clients in sorted({c for _, c in rows}):
@@ -378,8 +396,8 @@ def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float)
              f"Index: {env['args']['items']} x {env['dim']} synthetic vectors, IVF-Flat (nlist "
              f"{env['nlist']}, nprobe 16), {env['shards']} shards; model {env['model']}; k = {K}; service "
              f"recall@{K} vs brute force: {recall:.3f}; serve.ingress={env['args']['ingress']}"
-             + (f"; the other services (partitions: {env['args']['partitions']}, no metrics) give the "
-                f"same hits as it for {100 * env['same_hits']:.0f}% of 100 queries"
+             + (f"; the other services (partitions: {env['args']['partitions']}, metrics on and off) give "
+                f"the same hits as it for {100 * env['same_hits']:.0f}% of 100 queries"
                 if "same_hits" in env else ""), "",
              "| row | clients | requests | queries/s | p50 ms | p99 ms | p50 ms inside the app |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -389,10 +407,11 @@ def markdown(env: dict, rows: list[dict], ratio_rows: list[dict], recall: float)
     if "metrics_record_us" in env:
         cost = env["metrics_record_us"]
         service = next((r for r in rows if r["variant"] == "service vector" and r["clients"] == 1), None)
-        share = f" ({100 * cost['on'] / 1000 / service['p50_ms']:.2f}% of the service's p50 at 1 client)" \
+        share = f" ({100 * cost['on'] / 1000 / service['p50_ms']:.3f}% of the service's p50 at 1 client)" \
             if service else ""
-        lines += ["", f"Recording one image query's metrics in a Ray worker: {cost['on']:.1f} us on, "
-                      f"{cost['off']:.2f} us with serve.metrics=false{share}."]
+        lines += ["", f"One image query's metrics in a Ray worker: noted on its path in {cost['on']:.2f} us "
+                      f"({cost['off']:.2f} us with serve.metrics=false){share}; handed to Ray's metrics by "
+                      f"the replica's flushing thread in {cost.get('flush', float('nan')):.1f} us a query."]
     lines += ["", "| service query | against | clients | queries/s ratio | p50 ratio | p50 diff ms |",
               "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['query']} | {r['against']} | {r['clients']} | {r['qps_ratio']:.2f} | "
@@ -423,6 +442,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--partition-channels", default="direct",
                    help="serve.partition_channel values (direct, ray), comma-separated: an app each")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default="", help="run only the rows whose names contain one of these "
+                   "comma-separated words (e.g. 'metrics' for the metrics' cost alone)")
     p.add_argument("--plain-server", metavar="INDEX_URI", help=argparse.SUPPRESS)  # the FastAPI row's server
     p.add_argument("--dim", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -470,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         channels = [c for c in args.partition_channels.split(",") if c] if args.partitions > 1 else []
         # the service's ingress mode, with room for the no-op app's own ingress replica (port + 2: Serve's
         # head-node proxy has port + 1) and the partitioned apps' (port + 3, ...)
-        # and the no-metrics app's (after those)
+        # and the two metrics apps' (after those)
         os.environ.update(direct_ingress_env(cfg.serve) | (
-            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 4 + len(channels))}
+            {"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 5 + len(channels))}
             if args.ingress == "direct" else {}))
         init_ray(local_cpus=8 if channels else 6)  # logical CPUs: room for every app's replicas
         service = start_service(cfg)
@@ -484,9 +505,11 @@ def main(argv: list[str] | None = None) -> int:
             ports = {"service": port, "fastapi": plain_port, "noop": deploy_noop(args.ingress, port)}
             ports |= deploy_partitioned(overrides, args.partitions, channels, port, args.ingress)
             bare_port = port + 3 + len(channels) if args.ingress == "direct" else port
-            ports |= deploy_without_metrics(overrides, bare_port, args.ingress)
+            ports |= deploy_metrics_pair(overrides, bare_port, args.ingress)
             live = LiveIndex(IndexConfig(uri=str(Path(tmp) / "index"), use_gpu=False, nprobe=16), None, dim)
             calls = variants(ports, x, queries, images, model, eval_view_spec(model_cfg), live)
+            words = [w for w in args.only.split(",") if w]
+            calls = {n: c for n, c in calls.items() if not words or any(w in n for w in words)}
             rows = measure(args, clients, calls)
             recall = recall_at_k(port, x, queries)
             env["metrics_record_us"] = metrics_record_us()
@@ -512,8 +535,9 @@ def measure(args: argparse.Namespace, clients: list[int], calls: dict) -> dict[t
         make_call(0)(0)  # warm-up: connections, lazy imports, first batch
     per_round = max(1, args.requests // args.rounds)
     for r in range(args.rounds):
+        order = list(calls.items()) if r % 2 == 0 else list(reversed(calls.items()))
         for c in clients:
-            for name, make_call in calls.items():
+            for name, make_call in order:
                 latencies, app, wall, errors = run_clients(c, per_round, args.max_seconds, make_call)
                 row = rows[(name, c)]
                 row.latencies_ms += latencies
@@ -534,7 +558,8 @@ def report(env: dict, rows: dict[tuple[str, int], Row], recall: float, args: arg
     print(text)
     if not args.no_save:
         payload = {"setting": env, "rows": summaries, "ratios": ratio_rows, "recall_at_k": recall}
-        record("serve", payload, text,
+        words = [w for w in args.only.split(",") if w]  # a run of some rows only: its own record
+        record("_".join(["serve", *words]), payload, text,
                title="bench_serve: search service vs reference servers, FAISS and numpy")
     return 1 if any(r.errors for r in rows.values()) else 0
 
