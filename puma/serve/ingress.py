@@ -62,6 +62,12 @@ class SearchIngress:
         self.versions = AliasFollower(pinned, location, model, self.index, storage_cfg, watch_interval_s,
                                       on_switch=self.metrics.live)
 
+    def __del__(self) -> None:
+        """Serve calls it when the replica shuts down: the metrics' last notes go to Ray."""
+        metrics = getattr(self, "metrics", None)  # none when __init__ failed before it
+        if metrics is not None:
+            metrics.close()
+
     @api.get("/", response_class=HTMLResponse)
     async def page_route(self) -> HTMLResponse:
         return HTMLResponse(self.page)
