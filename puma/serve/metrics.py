@@ -1,9 +1,10 @@
 """The search service's Prometheus metrics, through Ray's metrics API (``ray.serve.metrics``).
 
-Each replica records into Ray's metrics agent on its node, which exports them on the node's metrics
-port beside Ray's and Ray Serve's own (``ray_`` is prefixed, counters get ``_total``); Serve adds the
-``deployment``, ``replica`` and ``application`` tags. A KubeRay cluster's PodMonitor scrapes that port;
-on one machine ``jobs/serve.py`` prints it (``serve.metrics_port``).
+Each replica records into Ray's metrics agent on its node (the ingress from a thread of its own,
+every 100 ms: ServiceMetrics), which exports them on the node's metrics port beside Ray's and Ray
+Serve's own (``ray_`` is prefixed, counters get ``_total``); Serve adds the ``deployment``,
+``replica`` and ``application`` tags. A KubeRay cluster's PodMonitor scrapes that port; on one
+machine ``jobs/serve.py`` prints it (``serve.metrics_port``).
 
 Exported as (type; tags):
 
@@ -55,11 +56,11 @@ log = logging.getLogger(__name__)
 class ServiceMetrics:
     """The ingress replica's metrics (created in the replica: Ray's metrics live in its process).
 
-    A query only notes what happened (an append to a queue, about a microsecond); a thread of the
+    A query only notes what happened (appends to a queue, 3-4 us for an image query); a thread of the
     replica hands the notes to Ray every ``flush_interval_s``, each counter's sum once per tag set, as
     Ray Serve exports its own request metrics (``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS``). Recorded on
     the query's own thread, each of Ray's records lets go of the GIL, and under load every one cost the
-    query a wait for the replica's other threads: 6-7% of the queries/s at 8 clients (bench_serve).
+    query a wait for the replica's other threads: 6-13% of the queries/s at 8 clients (bench_serve).
     """
 
     def __init__(self, enabled: bool = True, flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
