@@ -292,22 +292,13 @@ def deploy_partitioned(overrides: list[str], partitions: int, channels: list[str
     """The index in ``partitions`` partitions, one app per partition channel, beside the service (vector
     queries only): row name -> (port, route prefix). Direct ingress: their replicas take the ports after
     the no-op app's (port + 3, ...); proxy: Serve's proxy on ``port`` routes by prefix."""
-    from ray import serve
-
-    from puma.serve.app import build_app
-    from puma.serve.plan import plan_service
-
     rows = {}
     for i, channel in enumerate(channels):
-        name = f"p{partitions}-{channel}"
-        cfg = load_config(None, [*overrides, f"serve.index_partitions={partitions}",
-                                 "serve.image_queries=false", f"serve.partition_channel={channel}",
-                                 f"serve.app_name={name}"])
-        serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
-        where = (port + 3 + i if ingress == "direct" else port), f"/{name}"
         row = f"service vector ({partitions} partitions{'' if channel == 'direct' else ', ' + channel})"
-        rows[row] = where
-        print(f"[bench] {row}: at port {where[0]}{where[1]}", flush=True)
+        settings = [f"serve.index_partitions={partitions}", f"serve.partition_channel={channel}"]
+        at = port + 3 + i if ingress == "direct" else port
+        rows[row] = deploy_vector_app(overrides, settings, f"p{partitions}-{channel}", at)
+        print(f"[bench] {row}: at port {rows[row][0]}{rows[row][1]}", flush=True)
     return rows
 
 
@@ -315,21 +306,32 @@ def deploy_metrics_pair(overrides: list[str], port: int, ingress: str) -> dict[s
     """The one-partition service twice more (vector queries only), with and without its metrics
     (serve.metrics), beside it: the second's row against the first's is what the metrics cost, the two
     apps being otherwise the same. Direct ingress: ``port`` and the next one."""
+    rows = {}
+    for i, on in enumerate(("on", "off")):
+        row = f"service vector (metrics {on})"
+        settings = ["serve.index_partitions=1", f"serve.metrics={'true' if on == 'on' else 'false'}"]
+        at = port + i if ingress == "direct" else port
+        rows[row] = deploy_vector_app(overrides, settings, f"metrics-{on}", at)
+        print(f"[bench] {row}: at port {rows[row][0]}{rows[row][1]}", flush=True)
+    return rows
+
+
+def deploy_vector_app(overrides: list[str], settings: list[str], name: str, port: int) -> tuple[int, str]:
+    """The service's config with ``settings`` as one more Serve app, vector queries only, named and
+    routed ``name``, beside the service: (its port, its route prefix)."""
     from ray import serve
 
     from puma.serve.app import build_app
     from puma.serve.plan import plan_service
 
-    rows = {}
-    for i, (name, on) in enumerate((("metrics-on", True), ("metrics-off", False))):
-        cfg = load_config(None, [*overrides, "serve.index_partitions=1", "serve.image_queries=false",
-                                 f"serve.metrics={str(on).lower()}", f"serve.app_name={name}"])
-        serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
-        where = (port + i if ingress == "direct" else port), f"/{name}"
-        row = f"service vector (metrics {'on' if on else 'off'})"
-        rows[row] = where
-        print(f"[bench] {row}: at port {where[0]}{where[1]}", flush=True)
-    return rows
+    cfg = load_config(None, [*overrides, *settings, "serve.image_queries=false", f"serve.app_name={name}"])
+    serve.run(build_app(plan_service(cfg)), name=name, route_prefix=f"/{name}")
+    return port, f"/{name}"
+
+
+def only_words(args: argparse.Namespace) -> list[str]:
+    """--only's words (none: every row)."""
+    return [w for w in args.only.split(",") if w]
 
 
 def metrics_record_us(n: int = 20000) -> dict[str, float]:
@@ -508,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             ports |= deploy_metrics_pair(overrides, bare_port, args.ingress)
             live = LiveIndex(IndexConfig(uri=str(Path(tmp) / "index"), use_gpu=False, nprobe=16), None, dim)
             calls = variants(ports, x, queries, images, model, eval_view_spec(model_cfg), live)
-            words = [w for w in args.only.split(",") if w]
+            words = only_words(args)
             calls = {n: c for n, c in calls.items() if not words or any(w in n for w in words)}
             rows = measure(args, clients, calls)
             recall = recall_at_k(port, x, queries)
@@ -558,8 +560,7 @@ def report(env: dict, rows: dict[tuple[str, int], Row], recall: float, args: arg
     print(text)
     if not args.no_save:
         payload = {"setting": env, "rows": summaries, "ratios": ratio_rows, "recall_at_k": recall}
-        words = [w for w in args.only.split(",") if w]  # a run of some rows only: its own record
-        record("_".join(["serve", *words]), payload, text,
+        record("_".join(["serve", *only_words(args)]), payload, text,  # some rows only: their own record
                title="bench_serve: search service vs reference servers, FAISS and numpy")
     return 1 if any(r.errors for r in rows.values()) else 0
 
