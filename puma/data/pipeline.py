@@ -61,7 +61,7 @@ from puma.data.images import (
     worker_columns,
 )
 from puma.data.manifest import DataNotPreparedError, Manifest
-from puma.data.reject_log import RejectLog
+from puma.data.reject_log import RejectLog, start_reject_log
 from puma.data.rejects import Reject, read_rejects
 from puma.data.splits import LabelMap, global_label_map, label_range
 from puma.run_folder import RunFolder
@@ -97,8 +97,7 @@ def reject_log(cfg, manifest: Manifest):
         names = set(manifest.select(cfg.data.datasets))
         initial = [r for r in read_rejects(manifest.rejects_uri) if r["dataset"] in names]
         name = "puma-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16]
-        _REJECT_LOGS[key] = RejectLog.options(name=name, get_if_exists=True).remote(
-            uri, storage.current_config(), initial)
+        _REJECT_LOGS[key] = start_reject_log(name, uri, initial)
     return _REJECT_LOGS[key]
 
 

@@ -1,6 +1,11 @@
 """The RejectLog actor: one per rejects file, fed by the decode tasks of the training and embedding
 streams (see puma.data.pipeline). A module of its own, light to import: the actor's process loads this
-module to build the class, and nothing of Ray Data, pandas or the image code."""
+module to build the class, and nothing of Ray Data, pandas or the image code.
+
+``start_reject_log`` places it on the node of the process that starts it (the job's driver): a job
+outlives the loss of any other node, and the rejects it holds must too. Placed by Ray anywhere, it
+could land on a worker node, and losing that node failed the whole embedding run at its end.
+"""
 
 from __future__ import annotations
 
@@ -37,3 +42,13 @@ class RejectLog:
 
     def rows(self) -> list[dict]:
         return [self._rows[k] for k in sorted(self._rows)]
+
+
+def start_reject_log(name: str, uri: str, initial: Sequence[dict]) -> ray.actor.ActorHandle:
+    """The RejectLog ``name`` of the rejects file ``uri`` (created with ``initial`` if it is not running),
+    on this process's node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return RejectLog.options(name=name, get_if_exists=True, scheduling_strategy=here).remote(
+        uri, storage.current_config(), initial)

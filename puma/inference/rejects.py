@@ -18,7 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from puma import storage
 from puma.data.columns import take_rows
 from puma.data.manifest import load_manifest
 from puma.data.rejects import read_rejects, write_rejects
@@ -83,8 +82,7 @@ def _forget_fixed(uri: str, todo: pa.Table, catalogue: str) -> set[str]:
 def reject_log(uri: str):
     """The RejectLog actor of the rejects file ``uri``, seeded with what earlier runs listed: the Ray Data
     decode tasks record their rejects with it."""
-    from puma.data.reject_log import RejectLog
+    from puma.data.reject_log import start_reject_log
 
-    name = "puma-embed-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16]
-    return RejectLog.options(name=name, get_if_exists=True).remote(uri, storage.current_config(),
-                                                                   read_rejects(uri))
+    return start_reject_log("puma-embed-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16], uri,
+                            read_rejects(uri))
