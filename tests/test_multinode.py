@@ -373,9 +373,10 @@ def test_embedding_across_nodes_survives_a_lost_node_with_every_item_once(cluste
             "embed.split=test", "data.decode_batch_size=4",
             f"storage.endpoint_url={cluster.s3.endpoint}", f"storage.region={AWS_TEST_ENV['AWS_REGION']}"]
     # Ray Data starts a pool's actors asynchronously and feeds whichever is up: on a slow machine the
-    # head's actor could commit everything before node b's has imported torch. Wait for both first.
+    # head's actor could commit everything before node b's has imported torch. Wait for both first
+    # (the whole run takes 40-60 s here; it fails if the two are not up in 240 s).
     env = dict(cluster.head.env, RAY_ADDRESS=cluster.head.gcs, PYTHONUNBUFFERED="1",
-               RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S="120")
+               RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S="240")
     cluster.ensure_node_b()
     nodes_before = embedder_nodes(cluster)
     log = tmp_path / "embed.log"
