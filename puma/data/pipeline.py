@@ -35,7 +35,6 @@ reject: it lists every bad item the streams have met.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -96,8 +95,7 @@ def reject_log(cfg, manifest: Manifest):
     if key not in _REJECT_LOGS:
         names = set(manifest.select(cfg.data.datasets))
         initial = [r for r in read_rejects(manifest.rejects_uri) if r["dataset"] in names]
-        name = "puma-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16]
-        _REJECT_LOGS[key] = start_reject_log(name, uri, initial)
+        _REJECT_LOGS[key] = start_reject_log("puma-rejects-", uri, initial)
     return _REJECT_LOGS[key]
 
 

@@ -9,6 +9,7 @@ could land on a worker node, and losing that node failed the whole embedding run
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import ray
@@ -44,11 +45,12 @@ class RejectLog:
         return [self._rows[k] for k in sorted(self._rows)]
 
 
-def start_reject_log(name: str, uri: str, initial: Sequence[dict]) -> ray.actor.ActorHandle:
-    """The RejectLog ``name`` of the rejects file ``uri`` (created with ``initial`` if it is not running),
-    on this process's node."""
+def start_reject_log(prefix: str, uri: str, initial: Sequence[dict]) -> ray.actor.ActorHandle:
+    """The RejectLog of the rejects file ``uri``, named ``prefix`` + a hash of it (created with
+    ``initial`` if it is not running), on this process's node."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    name = prefix + hashlib.sha1(uri.encode()).hexdigest()[:16]
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return RejectLog.options(name=name, get_if_exists=True, scheduling_strategy=here).remote(
         uri, storage.current_config(), initial)

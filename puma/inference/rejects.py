@@ -11,7 +11,6 @@ and so is a rejected image whose stamp has changed since (a fixed photo).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import numpy as np
@@ -84,5 +83,4 @@ def reject_log(uri: str):
     decode tasks record their rejects with it."""
     from puma.data.reject_log import start_reject_log
 
-    return start_reject_log("puma-embed-rejects-" + hashlib.sha1(uri.encode()).hexdigest()[:16], uri,
-                            read_rejects(uri))
+    return start_reject_log("puma-embed-rejects-", uri, read_rejects(uri))
